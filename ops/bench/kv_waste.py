@@ -23,9 +23,7 @@ def simulate(requests: int, max_len: int, block_size: int, concurrency: int, see
     rng = random.Random(seed)
     finals = [rng.randint(1, max_len) for _ in range(requests)]
     prompts = [rng.randint(1, n) for n in finals]
-    kv = KVCacheManager(
-        concurrency * (-(-max_len // block_size)), block_size, enable_prefix_caching=False, watermark=0
-    )
+    kv = KVCacheManager(concurrency * (-(-max_len // block_size)), block_size, enable_prefix_caching=False, watermark=0)
     pending = list(range(requests))
     live: dict[int, int] = {}  # request -> tokens held
     paged, contiguous = [], []
@@ -72,16 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(res))
     else:
-        print(
-            f"workload: {res['requests']} requests, lengths 1..{res['max_len']}, block size {res['block_size']}"
-        )
-        print(
-            f"paged allocation      waste: {res['paged_waste_mean']:.2%} mean, {res['paged_waste_max']:.2%} max"
-        )
+        print(f"workload: {res['requests']} requests, lengths 1..{res['max_len']}, block size {res['block_size']}")
+        print(f"paged allocation      waste: {res['paged_waste_mean']:.2%} mean, {res['paged_waste_max']:.2%} max")
         print(f"contiguous max-length waste: {res['contiguous_waste_mean']:.2%} mean")
-        print(
-            f"requests held by the same budget: paged {res['fit_paged']}, contiguous {res['fit_contiguous']}"
-        )
+        print(f"requests held by the same budget: paged {res['fit_paged']}, contiguous {res['fit_contiguous']}")
     return res
 
 
