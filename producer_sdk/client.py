@@ -1,0 +1,277 @@
+"""AsyncClient: submit generation requests through Redis and stream the tokens back (asyncio).
+
+All protocol decisions live in `producer_sdk._core`; this module only runs the Redis calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+import redis.exceptions as rex
+
+from producer_sdk import _core
+from producer_sdk._core import EnqueueResult, HandleState, Prepared
+from producer_sdk._stream import Follower
+from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
+from producer_sdk.results import Chunk, Completion, QueueStats
+
+T = TypeVar("T")
+
+
+class Handle(HandleState):
+    """One submitted request. Read it with `stream()` (chunks) or `result()` (the Completion).
+
+    Each `stream()` call is an independent reader from the first event, so a request can be read
+    twice, or by two handles (even in two processes). After a reader has seen the final event,
+    `finish_reason`, `usage`, `timings` and `stop_reason` are filled in.
+    """
+
+    def __init__(self, client: AsyncClient, request_id: str, **kwargs: Any) -> None:
+        super().__init__(request_id, model=client.model, **kwargs)
+        self._client = client
+
+    async def stream(
+        self, timeout: float | None = None, *, partial_ok: bool = False, cancel_on_timeout: bool = False
+    ) -> AsyncIterator[Chunk]:
+        """Yield the chunks of the request as they arrive.
+
+        Raises at the end `Cancelled` / `DeadlineExceeded` (unless `partial_ok`), `RequestFailed`
+        on an Error event, `RequestTimeout` after `timeout` seconds in all (cancelling the request
+        only if `cancel_on_timeout`). A dropped connection is resumed from the last event seen.
+        """
+        f = self._follower(self._client._opts, timeout)
+        try:
+            async with aclosing(self._events(f)) as events:
+                async for chunk in events:
+                    yield chunk
+        except RequestTimeout as e:
+            raise await self._timed_out(e, cancel_on_timeout) from None
+        except RequestFailed as e:
+            self._record_failure(e)
+            raise
+        self._record(f)
+        _core.outcome(f.completion(), partial_ok=partial_ok)
+
+    async def result(
+        self, timeout: float | None = None, *, partial_ok: bool = False, cancel_on_timeout: bool = False
+    ) -> Completion:
+        """Wait for the whole Completion (same errors as `stream`)."""
+        cached = self._cached(partial_ok)
+        if cached is not None:
+            return cached
+        async for _ in self.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout):
+            pass
+        assert self._completion is not None
+        return self._completion
+
+    async def cancel(self) -> None:
+        """Ask the workers to stop this request; its reader then sees finish_reason "abort"."""
+        await self._client.cancel(self.request_id)
+
+    async def _timed_out(self, e: RequestTimeout, cancel: bool) -> RequestTimeout:
+        if not cancel:
+            return e
+        await self._client.cancel(self.request_id)
+        return RequestTimeout(self.request_id, e.timeout, cancelled=True)
+
+    async def _events(self, f: Follower) -> AsyncIterator[Chunk]:
+        r = self._client._redis
+        while not f.done:
+            try:
+                if f.needs_check:
+                    pipe = r.pipeline(transaction=False)
+                    _core.queue_liveness(pipe, f)
+                    marker, stream = await pipe.execute()
+                    if f.on_liveness(marker, stream) == Follower.RESUBMIT:
+                        f.on_resubmitted(await self._resubmit())
+                    continue
+                streams, count, block = f.xread_args()
+                reply = await r.xread(streams, count=count, block=block)
+            except rex.RedisError as e:
+                await asyncio.sleep(f.on_error(e))
+                continue
+            for chunk in f.on_reply(reply):
+                yield chunk
+
+    async def _resubmit(self) -> EnqueueResult:
+        assert self.prepared is not None
+        try:
+            return await self._client._enqueue(self.prepared)
+        except QueueFull as e:
+            raise _core.lost_on_resubmit(self.request_id, e) from e
+
+
+class AsyncClient(_core.ClientBase):
+    """Producer client of one model namespace (`pagedq:{model}:*`), for asyncio.
+
+    ``AsyncClient(redis_url="redis://localhost:6379/0", model="default", *, max_queue_len=None,
+    result_ttl_s=86400, connect_timeout=5.0, block_ms=2000, reconnect_attempts=10,
+    reconnect_backoff_max_s=2.0, resubmit_lost=True, limits=DEFAULT_LIMITS, **redis_options)``
+
+    `redis_url` is a URL (``redis://[user:password@]host:port/db``, ``rediss://...`` for TLS,
+    ``unix://...``) or an existing ``redis.asyncio.Redis`` (not closed by `close()`; it must keep
+    ``decode_responses=False``). `redis_options` go to ``Redis.from_url`` (``ssl_ca_certs=``,
+    ``ssl_certfile=``, ``ssl_keyfile=``, ``username=``, ``password=``, ...).
+
+    `max_queue_len` caps each priority lane (default: the limit the workers publish in
+    ``pagedq:{model}:config``, else none). `result_ttl_s`: lifetime of the idempotency marker and
+    of cancel flags. `block_ms`: the XREAD BLOCK slice (after each idle slice the reader checks
+    the request still exists). A failed Redis call is retried `reconnect_attempts` times in a row
+    with exponential backoff (full jitter, up to `reconnect_backoff_max_s`), then `ConnectionLost`
+    is raised. `resubmit_lost`: when Redis lost a request (a restart without persistence) before
+    any token came back, a reader submits it again transparently.
+    """
+
+    _redis_class = aioredis.Redis
+    _handle_class = Handle
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_redis:
+            await self._redis.aclose()
+
+    async def ping(self) -> bool:
+        """Check the connection and the credentials (raises AuthenticationFailed, ConnectionLost)."""
+        return bool(await self._retry(self._redis.ping))
+
+    # -- submitting --------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Iterable[int] | None = None,
+        messages: Iterable[Mapping[str, str]] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline: Any = None,
+        metadata: Mapping[str, str] | None = None,
+        **sampling: Any,
+    ) -> Handle:
+        """Enqueue a request and return its Handle at once.
+
+        Exactly one of `prompt`, `prompt_token_ids`, `messages` (chat, ``[{"role", "content"}]``).
+        `priority` in [-100, 100] (> 0 high lane, < 0 low lane; the engine schedules higher
+        first). `deadline`: seconds from now, a timedelta or a datetime. `**sampling`:
+        SamplingParams fields (n, max_tokens, temperature, top_p, top_k, stop, seed, logprobs...).
+        Resubmitting an id already submitted (within `result_ttl_s`) adds nothing: the handle
+        follows the existing request (`handle.duplicate` is True).
+        Raises ValidationError (nothing sent), QueueFull, AuthenticationFailed, ConnectionLost.
+        """
+        p = self._prepare(
+            prompt,
+            dict(
+                prompt_token_ids=prompt_token_ids,
+                messages=messages,
+                request_id=request_id,
+                priority=priority,
+                deadline=deadline,
+                metadata=metadata,
+                **sampling,
+            ),
+        )
+        return self._new_handle(p, await self._enqueue(p))
+
+    async def submit_many(self, items: Iterable[str | Mapping[str, Any]], **common: Any) -> list[Handle]:
+        """Submit many requests in one pipeline. Items are prompt strings or dicts of `submit`
+        arguments; `common` arguments apply to every item. All are validated before any is sent.
+        A full lane raises QueueFull after the others went through (`QueueFull.handles` has them).
+        """
+        prepared = _core.prepare_many(items, common, self._opts.limits)
+
+        async def run() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for p in prepared:
+                ks, args = self._enqueue_args(p)
+                await self._script(keys=ks, args=args, client=pipe)
+            return await pipe.execute(raise_on_error=False)
+
+        return self._many_handles(prepared, await self._retry(run) if prepared else [])
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        timeout: float | None = None,
+        cancel_on_timeout: bool = False,
+        partial_ok: bool = False,
+        **kwargs: Any,
+    ) -> Completion:
+        """Submit and wait for the Completion (`submit` arguments + those of `Handle.result`)."""
+        handle = await self.submit(prompt, **kwargs)
+        return await handle.result(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        timeout: float | None = None,
+        cancel_on_timeout: bool = False,
+        partial_ok: bool = False,
+        **kwargs: Any,
+    ) -> AsyncIterator[Chunk]:
+        """Submit and yield chunks: ``async for chunk in client.stream("Hi", max_tokens=32)``."""
+        handle = await self.submit(prompt, **kwargs)
+        async with aclosing(
+            handle.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+        ) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    # -- control and stats -------------------------------------------------------------------------
+
+    async def cancel(self, request_id: str) -> None:
+        """Set the cancel flag and notify the workers; the request ends with finish_reason abort."""
+
+        async def run() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            _core.queue_cancel(pipe, self.model, request_id, self._opts.result_ttl_s)
+            await pipe.execute()
+
+        await self._retry(run, request_id)
+
+    async def queue_stats(self) -> QueueStats:
+        """Queue length per lane, dead letters, and the live workers with their load."""
+
+        async def run() -> QueueStats:
+            s = _core.StatsReader(self.model)
+            pipe = self._redis.pipeline(transaction=False)
+            s.queue_reads(pipe)
+            state_keys = s.after_reads(await pipe.execute())
+            gone = s.after_states(await self._redis.mget(state_keys) if state_keys else [])
+            if gone:
+                await self._redis.zrem(s.heartbeats, *gone)
+            return s.stats()
+
+        return await self._retry(run)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    async def _enqueue(self, p: Prepared) -> EnqueueResult:
+        ks, args = self._enqueue_args(p)
+
+        async def run() -> Any:
+            return await self._script(keys=ks, args=args)
+
+        return _core.parse_enqueue_reply(await self._retry(run, p.request_id), p)
+
+    async def _retry(self, op: Callable[[], Awaitable[T]], request_id: str | None = None) -> T:
+        """Run `op`, retrying on connection errors (every operation here is idempotent)."""
+        backoff = self._opts.backoff()
+        while True:
+            try:
+                return await op()
+            except rex.RedisError as e:
+                await asyncio.sleep(backoff.delay(e, request_id))
+
+
+__all__ = ["AsyncClient", "Chunk", "Completion", "Handle", "QueueStats"]

@@ -1,0 +1,56 @@
+"""Redis key names: the one place that spells them (worker and SDK both use this module)."""
+
+from __future__ import annotations
+
+PREFIX = "pagedq"
+LANES = ("high", "normal", "low")  # read in this order
+
+
+def lane_stream(model: str, lane: str = "normal") -> str:
+    """Request stream of a priority lane: pagedq:{model}:requests[:high|:low]."""
+    if lane not in LANES:
+        raise ValueError(f"unknown priority lane {lane!r}; choose from {LANES}")
+    base = f"{PREFIX}:{model}:requests"
+    return base if lane == "normal" else f"{base}:{lane}"
+
+
+def group(model: str) -> str:
+    """Consumer group of the workers serving `model` (created on every lane stream)."""
+    return f"{PREFIX}:{model}:workers"
+
+
+def dead_letters(model: str) -> str:
+    return f"{PREFIX}:{model}:dead"
+
+
+def control_channel(model: str) -> str:
+    """Pub/sub channel for cancels (and future control messages)."""
+    return f"{PREFIX}:{model}:control"
+
+
+def config(model: str) -> str:
+    """Hash the workers publish their limits into (max_queue_len, max_model_len, ...)."""
+    return f"{PREFIX}:{model}:config"
+
+
+def heartbeats(model: str) -> str:
+    """Sorted set: worker name -> last heartbeat (ms)."""
+    return f"{PREFIX}:{model}:heartbeats"
+
+
+def worker_state(model: str, worker: str) -> str:
+    """JSON load report of one worker, with a TTL a few heartbeats long."""
+    return f"{PREFIX}:{model}:worker:{worker}"
+
+
+def response_stream(request_id: str) -> str:
+    return f"{PREFIX}:resp:{request_id}"
+
+
+def cancel_flag(request_id: str) -> str:
+    return f"{PREFIX}:cancel:{request_id}"
+
+
+def submitted_marker(request_id: str) -> str:
+    """Set (NX, with TTL) by the enqueue script: makes resubmitting the same request id a no-op."""
+    return f"{PREFIX}:req:{request_id}"

@@ -1,0 +1,530 @@
+"""Wire protocol between producers (this SDK) and pagedq workers: msgpack via msgspec Structs.
+
+Redis contract (key names come from `producer_sdk.keys`; "model" is the key namespace)
+-----------------------------------------------------------------------------------------
+Request entry
+    ``XADD <keys.lane_stream(model, lane)> * id <request_id> d <msgpack GenerateRequest>``.
+    lane = `lane_for_priority(priority)`: priority > 0 -> "high", 0 -> "normal", < 0 -> "low".
+    `id` repeats the request id outside the payload, so a worker can answer an undecodable payload.
+
+Atomic enqueue (one Lua script, `producer_sdk._core.ENQUEUE_SCRIPT`)
+    KEYS = lane stream, keys.submitted_marker(id), keys.config(model);
+    ARGV = request id, payload, queue limit (0: read ``HGET config max_queue_len``; absent or <= 0:
+    unlimited), marker TTL in ms. Replies ``["duplicate"]`` when the marker exists (nothing added:
+    an idempotent resubmit just follows the existing response stream), ``["full", xlen, limit]``
+    when ``XLEN lane >= limit`` (the SDK raises `QueueFull`), else XADDs the entry, sets the marker
+    (``SET marker 1 PX ttl``) and replies ``["ok", entry_id]``. Queue length = XLEN of the lane:
+    the worker XDELs an entry once its request finished, so it counts waiting + in flight.
+
+Responses
+    The worker ``XADD keys.response_stream(id) MAXLEN ~ <cap> * e <msgpack Event>`` and EXPIREs
+    the stream (default 24 h). Events carry `seq` = 0, 1, 2, ... per request, contiguous across
+    worker crashes (a new owner continues the numbering). A reader follows with
+    ``XREAD BLOCK <ms> STREAMS <key> <last id>`` from ``0-0``; it drops events with
+    seq < expected (duplicates) and treats seq > expected as a protocol error (a gap).
+    `Finished` and `Error` are terminal. finish_reason: stop | length | abort | deadline.
+
+Error codes
+    An `Error` event for a refused request carries the `code` of the `ProtocolError` that
+    `decode_request` raised: malformed | schema | unsupported_version | invalid | too_large.
+    The worker picks its own words for other failures (engine_error, max_deliveries, ...).
+
+Cancel
+    ``SET keys.cancel_flag(id) 1 EX <ttl>`` then ``PUBLISH keys.control_channel(model)
+    <msgpack ControlMessage(type="cancel", request_id=id)>``. The worker answers
+    ``Finished(finish_reason="abort")``, also for a request still queued (when it reaches intake).
+
+Deadline
+    `GenerateRequest.deadline_ms` is absolute unix time in ms; the worker finishes the request
+    with finish_reason "deadline" and never starts one already past it.
+
+Heartbeats
+    Each worker ``ZADD keys.heartbeats(model) <now_ms> <worker>`` and
+    ``SET keys.worker_state(model, worker) <JSON WorkerState> PX <3 x interval>``.
+
+Dead letters (worker)
+    ``XADD keys.dead_letters(model) * id <id or ''> reason <text> code <code> lane <lane>
+    entry <entry id> payload <raw bytes> worker <name>``.
+
+Strictness and evolution
+------------------------
+* Requests are versioned (`v`, required on the wire). A request of another version is refused
+  with `UnsupportedVersion`, naming both versions.
+* Requests are decoded strictly: no type coercion, and unknown fields are refused
+  (`forbid_unknown_fields`). A worker that silently ignored a field it does not know (say a new
+  sampling option) would produce wrong output; refusing is the safe answer. Fields equal to their
+  default are not encoded (`omit_defaults`), so a newer SDK that adds an optional field stays
+  compatible with older workers for every request that does not use it. The flip side: a
+  default value is part of the protocol (the decoder fills it in), so changing one needs a new `v`.
+* Events are decoded strictly for types but ignore unknown fields, so a newer worker may add
+  informative fields without breaking older SDKs; an unknown event `type` is an error.
+* Limits (`Limits`) are checked by the SDK before sending and by the worker on intake, with the
+  same `validate` function.
+* Nothing here leaks msgspec's exception types: every failure is a `ProtocolError` subclass
+  (`MalformedPayload`, `SchemaError`, `UnsupportedVersion`, `ValidationError`,
+  `PayloadTooLarge`) with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+import msgspec
+
+from producer_sdk.errors import (
+    MalformedPayload,
+    PayloadTooLarge,
+    ProtocolError,
+    SchemaError,
+    UnsupportedVersion,
+    ValidationError,
+)
+
+PROTOCOL_VERSION = 1
+
+# Field names inside stream entries.
+ENTRY_ID_FIELD = "id"
+ENTRY_DATA_FIELD = "d"
+EVENT_FIELD = "e"
+
+DEFAULT_RESULT_TTL_S = 24 * 3600
+FINISH_REASONS = ("stop", "length", "abort", "deadline")
+ROLES = ("system", "user", "assistant", "tool")
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def lane_for_priority(priority: int) -> str:
+    """Priority lane of a request: > 0 "high", 0 "normal", < 0 "low"."""
+    return "high" if priority > 0 else "low" if priority < 0 else "normal"
+
+
+# --- request --------------------------------------------------------------------------------------
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """One chat message; rendered by the worker with the model's chat template."""
+
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    """vLLM names and defaults, except `max_tokens`: the service default is 256 (vLLM: 16);
+    None means "up to the model's length"."""
+
+    n: int = 1
+    max_tokens: int | None = 256
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__
+
+
+class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    """One generation request. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set.
+
+    `v` has no default on purpose: it must always be on the wire (omit_defaults would drop it).
+    `add_generation_prompt` only matters for `messages` (passed to the chat template).
+    """
+
+    v: int
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    priority: int = 0
+    deadline_ms: int | None = None
+    created_ms: int = 0
+    metadata: dict[str, str] = {}
+
+    @property
+    def lane(self) -> str:
+        return lane_for_priority(self.priority)
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Size and range limits of a request (the SDK checks before sending, the worker on intake)."""
+
+    max_payload_bytes: int = 1 << 20
+    max_prompt_chars: int = 1_000_000  # also the total content of `messages`
+    max_prompt_tokens: int = 131072
+    token_id_bound: int = 1 << 31  # token ids in [0, bound)
+    max_messages: int = 512
+    max_tokens: int = 131072
+    max_n: int = 16
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_logprobs: int = 20
+    max_metadata: int = 32
+    max_metadata_key_chars: int = 64
+    max_metadata_value_chars: int = 1024
+    max_priority: int = 100  # priority in [-max_priority, max_priority]
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --- events ---------------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Timings(msgspec.Struct, omit_defaults=True):
+    """Milliseconds: time queued, to first token, end to end (None when unknown)."""
+
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+
+
+class Started(msgspec.Struct, tag="started", tag_field="type", kw_only=True, omit_defaults=True):
+    seq: int
+    worker: str
+    attempt: int = 1
+
+
+class Tokens(msgspec.Struct, tag="tokens", tag_field="type", kw_only=True, omit_defaults=True):
+    """New tokens of sample `index` (of `n`); `text` is the detokenized delta."""
+
+    seq: int
+    index: int = 0
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] | None = None  # one per token id
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (token id, logprob)
+
+
+class Finished(msgspec.Struct, tag="finished", tag_field="type", kw_only=True, omit_defaults=True):
+    seq: int
+    finish_reason: str
+    finish_reasons: list[str] = []  # one per sample
+    stop_reason: str | int | None = None  # the stop string or token id that ended sample 0
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timings: Timings = msgspec.field(default_factory=Timings)
+
+
+class Error(msgspec.Struct, tag="error", tag_field="type", kw_only=True):
+    seq: int
+    code: str
+    message: str
+
+
+Event = Started | Tokens | Finished | Error
+TERMINAL_EVENTS = (Finished, Error)
+
+
+class ControlMessage(msgspec.Struct, omit_defaults=True):
+    """Published on keys.control_channel(model). Workers ignore types they do not know."""
+
+    type: str
+    request_id: str | None = None
+
+
+class WorkerState(msgspec.Struct, kw_only=True):
+    """The JSON a worker keeps at keys.worker_state(model, worker) (unknown keys are ignored)."""
+
+    worker: str
+    host: str = ""
+    pid: int = 0
+    model: str = ""
+    started_ms: int = 0
+    ts_ms: int = 0
+    running: int = 0
+    waiting: int = 0
+    max_num_seqs: int = 0
+    kv_usage: float = 0.0  # 0..1
+    gen_tokens_per_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    requests_finished: int = 0
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _sampling_problems(s: SamplingParams, lim: Limits):
+    """Yield (field, problem) for each broken rule of `s`."""
+    if not 1 <= s.n <= lim.max_n:
+        yield "n", f"must be in [1, {lim.max_n}]"
+    if s.max_tokens is not None and not 1 <= s.max_tokens <= lim.max_tokens:
+        yield "max_tokens", f"must be in [1, {lim.max_tokens}] or None"
+    if not 0 <= s.min_tokens <= (s.max_tokens if s.max_tokens is not None else lim.max_tokens):
+        yield "min_tokens", "must be in [0, max_tokens]"
+    if not (_finite(s.temperature) and s.temperature >= 0):
+        yield "temperature", "must be a finite number >= 0"
+    if not (_finite(s.top_p) and 0 < s.top_p <= 1):
+        yield "top_p", "must be in (0, 1]"
+    if not (s.top_k >= 0 or s.top_k == -1):
+        yield "top_k", "must be >= 0 (or -1: off)"
+    if not (_finite(s.min_p) and 0 <= s.min_p <= 1):
+        yield "min_p", "must be in [0, 1]"
+    if s.seed is not None and not -(1 << 63) <= s.seed < (1 << 64):
+        yield "seed", "must fit in 64 bits"
+    if len(s.stop) > lim.max_stop:
+        yield "stop", f"at most {lim.max_stop} stop strings"
+    elif not all(1 <= len(x) <= lim.max_stop_chars for x in s.stop):
+        yield "stop", f"each stop string must be 1..{lim.max_stop_chars} characters"
+    if len(s.stop_token_ids) > lim.max_stop_token_ids:
+        yield "stop_token_ids", f"at most {lim.max_stop_token_ids} ids"
+    elif not all(0 <= t < lim.token_id_bound for t in s.stop_token_ids):
+        yield "stop_token_ids", f"token ids must be in [0, {lim.token_id_bound})"
+    if not (_finite(s.repetition_penalty) and s.repetition_penalty > 0):
+        yield "repetition_penalty", "must be > 0"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not (_finite(value) and -2 <= value <= 2):
+            yield name, "must be in [-2, 2]"
+    if s.logprobs is not None and not 0 <= s.logprobs <= lim.max_logprobs:
+        yield "logprobs", f"must be in [0, {lim.max_logprobs}] or None"
+
+
+def _prompt_problems(r: GenerateRequest, lim: Limits):
+    given = [k for k in ("prompt", "prompt_token_ids", "messages") if getattr(r, k) is not None]
+    if not given:
+        yield "prompt", "no prompt: set exactly one of prompt, prompt_token_ids, messages"
+        return
+    if len(given) > 1:
+        yield given[1], f"{' and '.join(given)} are both set: set exactly one prompt kind"
+        return
+    if r.prompt is not None:
+        if not r.prompt:
+            yield "prompt", "must not be empty"
+        elif len(r.prompt) > lim.max_prompt_chars:
+            yield "prompt", f"{len(r.prompt)} characters, more than the limit {lim.max_prompt_chars}"
+    elif r.prompt_token_ids is not None:
+        ids = r.prompt_token_ids
+        if not 1 <= len(ids) <= lim.max_prompt_tokens:
+            yield "prompt_token_ids", f"must hold 1..{lim.max_prompt_tokens} ids (got {len(ids)})"
+        elif not all(0 <= t < lim.token_id_bound for t in ids):
+            yield "prompt_token_ids", f"token ids must be in [0, {lim.token_id_bound})"
+    else:
+        msgs = r.messages or []
+        if not 1 <= len(msgs) <= lim.max_messages:
+            yield "messages", f"must hold 1..{lim.max_messages} messages (got {len(msgs)})"
+            return
+        for i, m in enumerate(msgs):
+            if m.role not in ROLES:
+                yield f"messages[{i}].role", f"{m.role!r} is not one of {', '.join(ROLES)}"
+                return
+        total = sum(len(m.content) for m in msgs)
+        if total > lim.max_prompt_chars:
+            yield "messages", f"{total} characters of content, more than the limit {lim.max_prompt_chars}"
+
+
+def _request_problems(r: GenerateRequest, lim: Limits):
+    if not isinstance(r.request_id, str) or not REQUEST_ID_PATTERN.fullmatch(r.request_id):
+        yield "request_id", "must match ^[A-Za-z0-9_-]{8,64}$"
+    yield from _prompt_problems(r, lim)
+    for name, why in _sampling_problems(r.sampling, lim):
+        yield f"sampling.{name}", why
+    if not -lim.max_priority <= r.priority <= lim.max_priority:
+        yield "priority", f"must be in [-{lim.max_priority}, {lim.max_priority}]"
+    if r.deadline_ms is not None and not 0 <= r.deadline_ms < (1 << 63):
+        yield "deadline_ms", "must be an absolute unix time in ms"
+    if not 0 <= r.created_ms < (1 << 63):
+        yield "created_ms", "must be a unix time in ms"
+    if len(r.metadata) > lim.max_metadata:
+        yield "metadata", f"at most {lim.max_metadata} entries"
+    for k, val in r.metadata.items():
+        if len(k) > lim.max_metadata_key_chars:
+            yield "metadata", f"key {k[:20]!r}... longer than {lim.max_metadata_key_chars} characters"
+        elif len(val) > lim.max_metadata_value_chars:
+            yield f"metadata.{k}", f"value longer than {lim.max_metadata_value_chars} characters"
+
+
+def validate(request: GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
+    """Check version, request id, prompt kind and every limit; raise on the first problem.
+
+    Assumes the field types are right (as after `decode_request` or `build_request`).
+    """
+    if request.v != PROTOCOL_VERSION:
+        raise UnsupportedVersion(request.v, PROTOCOL_VERSION)
+    for field, why in _request_problems(request, limits):
+        value = _field_value(request, field)
+        shown = f"={_short(value)}" if isinstance(value, (int, float, str)) else ""
+        raise ValidationError(f"invalid request: {field}{shown}: {why}", field=field)
+    return request
+
+
+_MISSING = object()
+
+
+def _field_value(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if "[" in part or not hasattr(obj, part):
+            return _MISSING
+        obj = getattr(obj, part)
+    return obj
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- encode / decode ------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(GenerateRequest, strict=True)
+_event_decoder = msgspec.msgpack.Decoder(Event, strict=True)
+_control_decoder = msgspec.msgpack.Decoder(ControlMessage, strict=True)
+
+
+class _Envelope(msgspec.Struct):
+    v: Any = None
+
+
+_AT = re.compile(r"(?s)(.*?) - at `\$\.?([^`]*)`$")
+_NAMED = re.compile(r"Object (?:missing required|contains unknown) field `([^`]*)`")
+
+
+def schema_error(exc: msgspec.ValidationError, what: str, cls: type[ProtocolError] = SchemaError) -> ProtocolError:
+    """A readable typed error from msgspec's ValidationError, naming the dotted field path."""
+    text = str(exc)
+    path = None
+    m = _AT.match(text)
+    if m:
+        text, path = m.group(1), m.group(2) or None
+    named = _NAMED.match(text)
+    if named:
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
+    text = text[:1].lower() + text[1:]
+    where = f" (field `{path}`)" if path else ""
+    return cls(f"invalid {what}{where}: {text}", field=path)
+
+
+def _malformed(exc: BaseException, what: str) -> MalformedPayload:
+    return MalformedPayload(f"{what} is not valid msgpack: {exc}")
+
+
+def encode_request(request: GenerateRequest, limits: Limits | None = DEFAULT_LIMITS) -> bytes:
+    """Validate (unless `limits` is None) and encode a request."""
+    if limits is not None:
+        validate(request, limits)
+    data = _encoder.encode(request)
+    if limits is not None and len(data) > limits.max_payload_bytes:
+        raise PayloadTooLarge(
+            f"request payload is {len(data)} bytes, more than the limit {limits.max_payload_bytes}",
+            field=None,
+        )
+    return data
+
+
+def decode_request(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
+    """Decode and validate a request payload; every failure is a `ProtocolError` subclass."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedPayload(f"request payload must be bytes, got {type(data).__name__}")
+    if len(data) > limits.max_payload_bytes:
+        raise PayloadTooLarge(f"request payload is {len(data)} bytes, more than the limit {limits.max_payload_bytes}")
+    try:
+        request = _request_decoder.decode(data)
+    except msgspec.ValidationError as e:
+        _raise_if_other_version(data)
+        raise schema_error(e, "request") from None
+    except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError) as e:
+        raise _malformed(e, "request payload") from None
+    return validate(request, limits)
+
+
+def _raise_if_other_version(data: bytes | bytearray | memoryview) -> None:
+    """A payload of another version fails the schema for that reason first: say so."""
+    try:
+        v = msgspec.msgpack.decode(data, type=_Envelope).v
+    except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError):
+        return
+    if type(v) is int and v != PROTOCOL_VERSION:
+        raise UnsupportedVersion(v, PROTOCOL_VERSION)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes | bytearray | memoryview) -> Event:
+    try:
+        return _event_decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise schema_error(e, "response event") from None
+    except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError) as e:
+        raise _malformed(e, "response event") from None
+
+
+def encode_control(message: ControlMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_control(data: bytes | bytearray | memoryview) -> ControlMessage:
+    try:
+        return _control_decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise schema_error(e, "control message") from None
+    except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError) as e:
+        raise _malformed(e, "control message") from None
+
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DEFAULT_RESULT_TTL_S",
+    "ENTRY_DATA_FIELD",
+    "ENTRY_ID_FIELD",
+    "EVENT_FIELD",
+    "FINISH_REASONS",
+    "PROTOCOL_VERSION",
+    "ROLES",
+    "SAMPLING_FIELDS",
+    "TERMINAL_EVENTS",
+    "ControlMessage",
+    "Error",
+    "Event",
+    "Finished",
+    "GenerateRequest",
+    "Limits",
+    "Message",
+    "SamplingParams",
+    "Started",
+    "Timings",
+    "Tokens",
+    "Usage",
+    "WorkerState",
+    "decode_control",
+    "decode_event",
+    "decode_request",
+    "encode_control",
+    "encode_event",
+    "encode_request",
+    "lane_for_priority",
+    "now_ms",
+    "schema_error",
+    "validate",
+]

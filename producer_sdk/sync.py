@@ -1,0 +1,210 @@
+"""Client: the blocking twin of AsyncClient, on redis-py's synchronous client (no event loop).
+
+Same arguments, same errors, same protocol code (`producer_sdk._core`); only the I/O differs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import redis
+import redis.exceptions as rex
+
+from producer_sdk import _core
+from producer_sdk._core import EnqueueResult, HandleState, Prepared
+from producer_sdk._stream import Follower
+from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
+from producer_sdk.results import Chunk, Completion, QueueStats
+
+T = TypeVar("T")
+
+
+class SyncHandle(HandleState):
+    """One submitted request (blocking). See `producer_sdk.client.Handle`."""
+
+    def __init__(self, client: Client, request_id: str, **kwargs: Any) -> None:
+        super().__init__(request_id, model=client.model, **kwargs)
+        self._client = client
+
+    def stream(
+        self, timeout: float | None = None, *, partial_ok: bool = False, cancel_on_timeout: bool = False
+    ) -> Iterator[Chunk]:
+        """Yield the chunks as they arrive (same semantics and errors as `Handle.stream`)."""
+        f = self._follower(self._client._opts, timeout)
+        try:
+            yield from self._events(f)
+        except RequestTimeout as e:
+            raise self._timed_out(e, cancel_on_timeout) from None
+        except RequestFailed as e:
+            self._record_failure(e)
+            raise
+        self._record(f)
+        _core.outcome(f.completion(), partial_ok=partial_ok)
+
+    def result(
+        self, timeout: float | None = None, *, partial_ok: bool = False, cancel_on_timeout: bool = False
+    ) -> Completion:
+        cached = self._cached(partial_ok)
+        if cached is not None:
+            return cached
+        for _ in self.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout):
+            pass
+        assert self._completion is not None
+        return self._completion
+
+    def cancel(self) -> None:
+        self._client.cancel(self.request_id)
+
+    def _timed_out(self, e: RequestTimeout, cancel: bool) -> RequestTimeout:
+        if not cancel:
+            return e
+        self._client.cancel(self.request_id)
+        return RequestTimeout(self.request_id, e.timeout, cancelled=True)
+
+    def _events(self, f: Follower) -> Iterator[Chunk]:
+        r = self._client._redis
+        while not f.done:
+            try:
+                if f.needs_check:
+                    pipe = r.pipeline(transaction=False)
+                    _core.queue_liveness(pipe, f)
+                    marker, stream = pipe.execute()
+                    if f.on_liveness(marker, stream) == Follower.RESUBMIT:
+                        f.on_resubmitted(self._resubmit())
+                    continue
+                streams, count, block = f.xread_args()
+                reply = r.xread(streams, count=count, block=block)
+            except rex.RedisError as e:
+                time.sleep(f.on_error(e))
+                continue
+            yield from f.on_reply(reply)
+
+    def _resubmit(self) -> EnqueueResult:
+        assert self.prepared is not None
+        try:
+            return self._client._enqueue(self.prepared)
+        except QueueFull as e:
+            raise _core.lost_on_resubmit(self.request_id, e) from e
+
+
+class Client(_core.ClientBase):
+    """Blocking producer client: the arguments, methods and errors of `producer_sdk.AsyncClient`
+    (`redis_url` may be a ``redis.Redis``)."""
+
+    _redis_class = redis.Redis
+    _handle_class = SyncHandle
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owns_redis:
+            self._redis.close()
+
+    def ping(self) -> bool:
+        return bool(self._retry(self._redis.ping))
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Iterable[int] | None = None,
+        messages: Iterable[Mapping[str, str]] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline: Any = None,
+        metadata: Mapping[str, str] | None = None,
+        **sampling: Any,
+    ) -> SyncHandle:
+        """Enqueue a request; see `AsyncClient.submit`."""
+        p = self._prepare(
+            prompt,
+            dict(
+                prompt_token_ids=prompt_token_ids,
+                messages=messages,
+                request_id=request_id,
+                priority=priority,
+                deadline=deadline,
+                metadata=metadata,
+                **sampling,
+            ),
+        )
+        return self._new_handle(p, self._enqueue(p))
+
+    def submit_many(self, items: Iterable[str | Mapping[str, Any]], **common: Any) -> list[SyncHandle]:
+        """Submit many requests in one pipeline; see `AsyncClient.submit_many`."""
+        prepared = _core.prepare_many(items, common, self._opts.limits)
+
+        def run() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for p in prepared:
+                ks, args = self._enqueue_args(p)
+                self._script(keys=ks, args=args, client=pipe)
+            return pipe.execute(raise_on_error=False)
+
+        return self._many_handles(prepared, self._retry(run) if prepared else [])
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        timeout: float | None = None,
+        cancel_on_timeout: bool = False,
+        partial_ok: bool = False,
+        **kwargs: Any,
+    ) -> Completion:
+        handle = self.submit(prompt, **kwargs)
+        return handle.result(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        timeout: float | None = None,
+        cancel_on_timeout: bool = False,
+        partial_ok: bool = False,
+        **kwargs: Any,
+    ) -> Iterator[Chunk]:
+        handle = self.submit(prompt, **kwargs)
+        yield from handle.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+
+    def cancel(self, request_id: str) -> None:
+        def run() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            _core.queue_cancel(pipe, self.model, request_id, self._opts.result_ttl_s)
+            pipe.execute()
+
+        self._retry(run, request_id)
+
+    def queue_stats(self) -> QueueStats:
+        def run() -> QueueStats:
+            s = _core.StatsReader(self.model)
+            pipe = self._redis.pipeline(transaction=False)
+            s.queue_reads(pipe)
+            state_keys = s.after_reads(pipe.execute())
+            gone = s.after_states(self._redis.mget(state_keys) if state_keys else [])
+            if gone:
+                self._redis.zrem(s.heartbeats, *gone)
+            return s.stats()
+
+        return self._retry(run)
+
+    def _enqueue(self, p: Prepared) -> EnqueueResult:
+        ks, args = self._enqueue_args(p)
+        return _core.parse_enqueue_reply(self._retry(lambda: self._script(keys=ks, args=args), p.request_id), p)
+
+    def _retry(self, op: Callable[[], T], request_id: str | None = None) -> T:
+        backoff = self._opts.backoff()
+        while True:
+            try:
+                return op()
+            except rex.RedisError as e:
+                time.sleep(backoff.delay(e, request_id))
+
+
+__all__ = ["Chunk", "Client", "Completion", "QueueStats", "SyncHandle"]

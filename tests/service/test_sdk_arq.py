@@ -1,0 +1,51 @@
+"""The arq bridge, through a real arq worker (in-process, burst mode) and the real redis-server."""
+
+from __future__ import annotations
+
+import pytest
+
+arq = pytest.importorskip("arq")
+
+from arq.connections import RedisSettings, create_pool  # noqa: E402
+from arq.worker import Worker  # noqa: E402
+from sdk_fake_worker import FakeWorker  # noqa: E402
+
+from producer_sdk import RequestFailed  # noqa: E402
+from producer_sdk.arq_bridge import arq_worker_settings, enqueue_generation  # noqa: E402
+
+QUEUE = "pagedq:arq:test"
+# arq's own Worker.close calls redis-py's deprecated close()
+pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated close:DeprecationWarning")
+
+
+async def run_arq_burst(redis_url: str) -> Worker:
+    settings = arq_worker_settings(redis_url, "default", QUEUE, block_ms=100)
+    worker = Worker(**settings, burst=True, handle_signals=False, poll_delay=0.01)
+    try:
+        await worker.main()
+    finally:
+        await worker.close()
+    return worker
+
+
+async def test_generation_through_arq(redis_url):
+    pool = await create_pool(RedisSettings.from_dsn(redis_url))
+    try:
+        job = await enqueue_generation(pool, queue_name=QUEUE, prompt="Hi", max_tokens=3, metadata={"t": "a"})
+        again = await enqueue_generation(pool, queue_name=QUEUE, request_id=job.job_id, prompt="Hi")
+        failing = await enqueue_generation(pool, queue_name=QUEUE, prompt="fail", deadline=30)
+        async with FakeWorker(redis_url) as pagedq_worker:
+            worker = await run_arq_burst(redis_url)
+        assert worker.jobs_complete == 1 and worker.jobs_failed == 1
+        result = await job.result(timeout=5)
+        assert await again.result(timeout=5) == result  # same job: idempotent
+        assert result["text"] == "w0 w1 w2 " and result["finish_reason"] == "length"
+        assert result["request_id"] == job.job_id and result["usage"]["completion_tokens"] == 3
+        with pytest.raises(RequestFailed) as info:
+            await failing.result(timeout=5)
+        assert info.value.code == "engine_error"
+        assert [r.request_id for r in pagedq_worker.requests] == [job.job_id, failing.job_id]
+        assert pagedq_worker.requests[0].metadata == {"t": "a"}
+        assert pagedq_worker.requests[1].deadline_ms is not None
+    finally:
+        await pool.aclose()
