@@ -223,6 +223,13 @@ class Follower:
                 raise ProtocolError(f"request {self.request_id}: response entry {entry_id!r} has no event")
             ev = decode_event(data)
             if ev.seq < self.expected_seq:
+                if isinstance(ev, (Finished, Error)):
+                    # Never a duplicate (reading stops at the first terminal event): dropping it
+                    # would leave this reader waiting forever.
+                    raise ProtocolError(
+                        f"request {self.request_id}: final event with seq {ev.seq}, after seq "
+                        f"{self.expected_seq - 1} (the worker numbered its events wrong)"
+                    )
                 continue  # a duplicate (a resumed worker republished it)
             if ev.seq > self.expected_seq:
                 raise ProtocolError(

@@ -21,7 +21,8 @@ Responses
     the stream (default 24 h). Events carry `seq` = 0, 1, 2, ... per request, contiguous across
     worker crashes (a new owner continues the numbering). A reader follows with
     ``XREAD BLOCK <ms> STREAMS <key> <last id>`` from ``0-0``; it drops events with
-    seq < expected (duplicates) and treats seq > expected as a protocol error (a gap).
+    seq < expected (duplicates) and treats seq > expected as a protocol error (a gap), as well as
+    a final event with seq < expected (it cannot be a duplicate: reading stops at the first).
     `Finished` and `Error` are terminal. finish_reason: stop | length | abort | deadline.
 
 Error codes

@@ -44,8 +44,9 @@ async def test_generation_through_arq(redis_url):
         with pytest.raises(RequestFailed) as info:
             await failing.result(timeout=5)
         assert info.value.code == "engine_error"
-        assert [r.request_id for r in pagedq_worker.requests] == [job.job_id, failing.job_id]
-        assert pagedq_worker.requests[0].metadata == {"t": "a"}
-        assert pagedq_worker.requests[1].deadline_ms is not None
+        by_id = {r.request_id: r for r in pagedq_worker.requests}  # arq runs the jobs concurrently
+        assert len(pagedq_worker.requests) == 2 and set(by_id) == {job.job_id, failing.job_id}
+        assert by_id[job.job_id].metadata == {"t": "a"}
+        assert by_id[failing.job_id].deadline_ms is not None
     finally:
         await pool.aclose()

@@ -143,6 +143,17 @@ async def test_gap_in_events_is_a_protocol_error(client, admin):
     assert seen == ["a"]  # what came before the gap was delivered
 
 
+async def test_stale_final_event_is_a_protocol_error_not_a_hang(client, admin):
+    rid = "stale_final_1"
+    _write_events(
+        admin,
+        rid,
+        [Started(seq=0, worker="w"), Tokens(seq=1, token_ids=[1]), Finished(seq=1, finish_reason="stop")],
+    )
+    with pytest.raises(ProtocolError, match="final event with seq 1"):
+        await client.handle(rid).result(timeout=5)
+
+
 async def test_undecodable_event_is_a_protocol_error(client, admin):
     rid = "bad_event_1"
     admin.xadd(keys.response_stream(rid), {"e": b"\xc1"})
