@@ -219,13 +219,22 @@ class AsyncClient(_core.ClientBase):
         partial_ok: bool = False,
         **kwargs: Any,
     ) -> AsyncIterator[Chunk]:
-        """Submit and yield chunks: ``async for chunk in client.stream("Hi", max_tokens=32)``."""
+        """Submit and yield chunks: ``async for chunk in client.stream("Hi", max_tokens=32)``.
+
+        Leaving the loop early (``break``, closing the iterator) cancels the request: nobody else
+        holds its handle. Use `submit` + `Handle.stream` to keep it running.
+        """
         handle = await self.submit(prompt, **kwargs)
-        async with aclosing(
-            handle.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
-        ) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        try:
+            async with aclosing(
+                handle.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+            ) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except GeneratorExit:
+            if not handle.done:
+                await self.cancel(handle.request_id)
+            raise
 
     # -- control and stats -------------------------------------------------------------------------
 

@@ -170,8 +170,15 @@ class Client(_core.ClientBase):
         partial_ok: bool = False,
         **kwargs: Any,
     ) -> Iterator[Chunk]:
+        """Submit and yield chunks; leaving the loop early cancels the request (see
+        `AsyncClient.stream`)."""
         handle = self.submit(prompt, **kwargs)
-        yield from handle.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+        try:
+            yield from handle.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+        except GeneratorExit:
+            if not handle.done:
+                self.cancel(handle.request_id)
+            raise
 
     def cancel(self, request_id: str) -> None:
         def run() -> None:

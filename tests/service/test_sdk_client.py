@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgspec
 import pytest
@@ -256,6 +257,14 @@ async def test_cancel_running(redis_url, client, admin):
     assert done.finish_reason == "abort"
     with pytest.raises(Cancelled):
         await handle.result()
+
+
+async def test_leaving_client_stream_early_cancels(redis_url, client):
+    async with FakeWorker(redis_url, token_delay=0.005) as worker:
+        async with contextlib.aclosing(client.stream("forever", timeout=10)) as chunks:
+            async for _ in chunks:
+                break
+        await wait_for(lambda: "abort" in worker.finished.values(), what="the abort")
 
 
 async def test_cancel_while_queued(redis_url, client):

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import redis
-from sdk_fake_worker import FakeWorker
+from sdk_fake_worker import FakeWorker, wait_for
 
 from producer_sdk import Cancelled, Client, QueueFull, RequestFailed, RequestTimeout, keys
 
@@ -57,7 +57,7 @@ async def test_cancel_timeout_failure(redis_url, client):
     handle = client.submit("x")
     with pytest.raises(RequestTimeout):
         handle.result(timeout=0.1)
-    async with FakeWorker(redis_url, token_delay=0.005):
+    async with FakeWorker(redis_url, token_delay=0.005) as worker:
         forever = client.submit("forever")
 
         def read_then_cancel():
@@ -67,5 +67,12 @@ async def test_cancel_timeout_failure(redis_url, client):
 
         with pytest.raises(Cancelled):
             await asyncio.to_thread(read_then_cancel)
+
+        def break_early():
+            for _ in client.stream("forever"):
+                break  # the generator is closed right here (refcount), which cancels
+
+        await asyncio.to_thread(break_early)
+        await wait_for(lambda: list(worker.finished.values()).count("abort") == 2, what="the abort")
         with pytest.raises(RequestFailed, match="boom"):
             await asyncio.to_thread(client.generate, "fail", timeout=5)
