@@ -80,7 +80,13 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides):
         cfg = LlamaConfig(**{**common, "tie_word_embeddings": False, "head_dim": 32, **overrides})
     elif family == "qwen2":  # QKV bias, tied embeddings, GQA 4:1 (MQA-like)
         cfg = Qwen2Config(
-            **{**common, "num_key_value_heads": 1, "tie_word_embeddings": True, "rope_theta": 1e6, **overrides}
+            **{
+                **common,
+                "num_key_value_heads": 1,
+                "tie_word_embeddings": True,
+                "rope_theta": 1e6,
+                **overrides,
+            }
         )
     elif family == "qwen3":  # q/k RMSNorm, head_dim not hidden/heads
         cfg = Qwen3Config(**{**common, "head_dim": 48, "tie_word_embeddings": False, **overrides})

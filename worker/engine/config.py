@@ -1,0 +1,139 @@
+"""Engine options, with vLLM's names. One flat `EngineConfig` is what users set; the cache and the
+scheduler get the derived, resolved `CacheConfig` and `SchedulerConfig` once the model is known."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """An engine option is invalid; the message names the option and why."""
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineConfig:
+    model: str = _opt("", "Hugging Face model folder (config.json + safetensors) or a .gguf file")
+    tokenizer: str | None = _opt(None, "tokenizer folder (default: the model folder)")
+    dtype: str = _opt("auto", "auto | float32 | float16 | bfloat16 (auto: the checkpoint's, bf16 on CPU)")
+    device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
+    seed: int = _opt(0, "seed of the default sampling generator")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    max_num_seqs: int = _opt(256, "most sequences running at once")
+    max_num_batched_tokens: int | None = _opt(
+        None, "token budget of one step (default: 2048 with chunked prefill, else max-model-len)"
+    )
+    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's limit)")
+    enable_chunked_prefill: bool = _opt(
+        True, "split long prompts into chunks mixed with decodes; off: prefill-only and decode-only steps"
+    )
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory for weights, activations and KV")
+    kv_cache_memory: int | None = _opt(
+        None, "KV cache bytes (CPU default: 2 GiB); overrides --gpu-memory-utilization", type=int
+    )
+    num_kv_blocks: int | None = _opt(None, "exact number of KV blocks (tests and benchmarks)")
+    scheduling_policy: str = _opt("fcfs", "fcfs | priority (higher priority first, then arrival)")
+    watermark: float = _opt(0.01, "fraction of KV blocks kept free for running sequences at admission")
+    long_prefill_token_threshold: int = _opt(0, "cap on one prompt chunk per step (0: the step budget)")
+    enforce_eager: bool = _opt(False, "never capture CUDA graphs")
+    max_logprobs: int = _opt(20, "most top logprobs a request may ask for")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)!r}: {why}")
+
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half"):
+            raise bad("dtype", "choose auto, float32, float16 or bfloat16")
+        if self.block_size < 1:
+            raise bad("block_size", "must be at least 1")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be at least 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", "must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", "must be at least 2")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise bad("kv_cache_memory", "must be a positive number of bytes")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", "must be at least 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise bad("scheduling_policy", "choose fcfs or priority")
+        if not 0.0 <= self.watermark < 1.0:
+            raise bad("watermark", "must be in [0, 1)")
+        if self.long_prefill_token_threshold < 0:
+            raise bad("long_prefill_token_threshold", "must be >= 0")
+
+    # --- command line ----------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+        """One `--flag` per field (env `PAGEDQ_<FIELD>` as the default where set)."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            env = os.environ.get("PAGEDQ_" + f.name.upper())
+            default = f.default if env is None else env
+            if f.type in ("bool", bool):
+                if isinstance(default, str):
+                    default = default.lower() in ("1", "true", "yes", "on")
+                group.add_argument(
+                    flag, default=default, action=argparse.BooleanOptionalAction, help=f.metadata["help"]
+                )
+                continue
+            conv = f.metadata.get("type") or _converter(f.type)
+            group.add_argument(flag, default=default, type=conv, help=f.metadata["help"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        values.update(overrides)
+        return cls(**values)
+
+
+def _converter(type_name: Any):
+    text = str(type_name)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    watermark: float
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    policy: str
+    long_prefill_token_threshold: int
+
+    def __post_init__(self) -> None:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens={self.max_num_batched_tokens} is below --max-model-len="
+                f"{self.max_model_len}: without chunked prefill a whole prompt must fit in one step"
+            )

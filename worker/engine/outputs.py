@@ -1,0 +1,42 @@
+"""What the engine hands back after a step: vLLM's RequestOutput shape, plus per-step deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.engine.request import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | deadline
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # What this step added (for streaming); the fields above are cumulative.
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    delta_logprobs: list[float] | None = None
+    delta_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # set when the request failed inside the engine (finish_reason abort)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens

@@ -1,0 +1,70 @@
+"""Prometheus metrics of a worker, vLLM-style names under `pagedq_`.
+
+Each worker process owns one `WorkerMetrics` with its own registry (tests run several in one
+process). Labels: `model` on everything (the key namespace), plus `lane` / `finished_reason` /
+`code` where named.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40,
+                    80, 160)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
+_STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class WorkerMetrics:
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model = model
+        r, m = self.registry, ["model"]
+
+        def gauge(name: str, doc: str, labels: list[str] = m) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, labels: list[str] = m) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, m, buckets=buckets, registry=r)
+
+        self.requests_running = gauge("pagedq_num_requests_running", "Sequences in the running batch")
+        self.requests_waiting = gauge("pagedq_num_requests_waiting", "Sequences admitted by intake, waiting for KV")
+        self.queue_length = gauge(
+            "pagedq_queue_length", "Entries outstanding in a Redis request lane (queued + in flight)", [*m, "lane"]
+        )
+        self.kv_usage = gauge("pagedq_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.kv_waste = gauge("pagedq_kv_cache_waste_perc", "Allocated KV slots holding no live token (0-1)")
+        self.prefix_queries = counter("pagedq_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("pagedq_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = counter("pagedq_num_preemptions", "Sequences preempted (recomputed later)")
+        self.prompt_tokens = counter("pagedq_prompt_tokens", "Prompt tokens computed (prefix hits excluded)")
+        self.generation_tokens = counter("pagedq_generation_tokens", "Tokens generated")
+        self.requests_finished = counter(
+            "pagedq_request_success", "Requests finished, by finish reason", [*m, "finished_reason"]
+        )
+        self.requests_failed = counter("pagedq_request_errors", "Requests answered with an Error event", [*m, "code"])
+        self.dead_letters = counter("pagedq_dead_letters", "Entries moved to the dead-letter stream", [*m, "code"])
+        self.reclaimed = counter("pagedq_requests_reclaimed", "Requests taken over from a dead worker")
+        self.redis_errors = counter("pagedq_redis_errors", "Redis calls that failed (and were retried)")
+        self.queue_time = hist(
+            "pagedq_request_queue_time_seconds", "Arrival (submit) to first scheduled", _LATENCY_BUCKETS
+        )
+        self.ttft = hist("pagedq_time_to_first_token_seconds", "Arrival (submit) to first token", _LATENCY_BUCKETS)
+        self.itl = hist("pagedq_inter_token_latency_seconds", "Time between two tokens of a request", _ITL_BUCKETS)
+        self.e2e = hist("pagedq_e2e_request_latency_seconds", "Arrival (submit) to finish", _LATENCY_BUCKETS)
+        self.step_tokens = hist("pagedq_iteration_tokens", "Tokens in one engine step", _STEP_TOKEN_BUCKETS)
+        self.step_seconds = hist("pagedq_iteration_seconds", "Duration of one engine step", _ITL_BUCKETS)
+
+    def labels(self, metric, **labels):
+        return metric.labels(model=self.model, **labels)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Expose /metrics on `port` (0 picks a free port); returns the bound port."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return server.server_address[1]
