@@ -210,6 +210,17 @@ async def test_queue_full_with_client_limit(redis_url):
         await c.submit("d", priority=1)  # the limit is per lane
 
 
+async def test_queue_limit_is_atomic_under_concurrent_submits(redis_url, admin):
+    clients = [AsyncClient(redis_url, MODEL, max_queue_len=5) for _ in range(4)]
+    try:
+        results = await asyncio.gather(*(c.submit("x") for c in clients for _ in range(10)), return_exceptions=True)
+    finally:
+        for c in clients:
+            await c.close()
+    assert sum(isinstance(r, QueueFull) for r in results) == 35
+    assert lane_len(admin) == 5
+
+
 async def test_queue_full_with_the_workers_limit(client, admin):
     admin.hset(keys.config(MODEL), "max_queue_len", 1)
     await client.submit("a")

@@ -442,7 +442,7 @@ def test_fuzz_arbitrary_msgpack(value):
     _only_protocol_errors(decode_event, pack(value))
 
 
-@FUZZ
+@settings(FUZZ, max_examples=200)
 @given(near_requests, st.dictionaries(field_names, near_requests, max_size=6))
 def test_fuzz_request_shaped(value, extra):
     base = {"v": 1, "request_id": RID, "prompt": "x"}
