@@ -1,6 +1,7 @@
 """AsyncClient: submit generation requests through Redis and stream the tokens back (asyncio).
 
-All protocol decisions live in `producer_sdk._core`; this module only runs the Redis calls.
+All protocol decisions live in `producer_sdk._core` and `._stream`; this module only runs the Redis
+calls.
 """
 
 from __future__ import annotations
