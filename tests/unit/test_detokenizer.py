@@ -236,9 +236,10 @@ def test_sentencepiece_style_tokenizer_streams_like_its_decode(sp_tok):
 # --- stop strings --------------------------------------------------------------------------------
 
 
-def reference_stop(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
-    """Text after stopping at the first completed stop string (longest on a tie), and which one."""
-    for end in range(1, len(text) + 1):
+def reference_stop(text: str, stops: list[str], include: bool, after: int = 0) -> tuple[str, str | None]:
+    """Text after stopping at the first stop string completed past character `after` (the longest on
+    a tie), and which one."""
+    for end in range(after + 1, len(text) + 1):
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
             stop = max(done, key=len)
@@ -246,9 +247,9 @@ def reference_stop(text: str, stops: list[str], include: bool) -> tuple[str, str
     return text, None
 
 
-def run_stops(tokenizer, text, stops, include=False, chunks=None):
+def run_stops(tokenizer, text, stops, include=False, chunks=None, min_tokens=0):
     ids = encode(tokenizer, text)
-    detok = IncrementalDetokenizer(tokenizer, stop=stops, include_stop_str_in_output=include)
+    detok = IncrementalDetokenizer(tokenizer, stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens)
     deltas = feed(detok, ids, chunks)
     return "".join(deltas), detok, deltas
 
@@ -312,6 +313,17 @@ def test_stop_strings_with_multibyte_characters(smol_tok):
             assert all(REPLACEMENT not in d for d in deltas)
 
 
+def test_stop_strings_wait_for_min_tokens(tiny_tok):
+    text = "ab ab ab"
+    ids = encode(tiny_tok, text)
+    first = next(k for k in range(1, len(ids) + 1) if full_decode(tiny_tok, ids[:k]).startswith("ab"))
+    assert run_stops(tiny_tok, text, ["ab"], min_tokens=first - 1)[0] == ""
+    out, detok, _ = run_stops(tiny_tok, text, ["ab"], min_tokens=first)
+    assert (out, detok.stop_reason) == ("ab ", "ab")
+    out, detok, _ = run_stops(tiny_tok, text, ["ab"], min_tokens=first, chunks=[len(ids)])
+    assert (out, detok.stop_reason) == ("ab ", "ab")  # same when fed all at once
+
+
 def test_from_sampling_params(smol_tok):
     params = SamplingParams(stop=["world"], include_stop_str_in_output=True, skip_special_tokens=False)
     detok = IncrementalDetokenizer.from_sampling_params(smol_tok, [1, 2, 3], params)
@@ -328,17 +340,20 @@ _ALPHABET = "ab c\n你"
     stops=st.lists(st.text(_ALPHABET, min_size=1, max_size=4), min_size=1, max_size=3),
     include=st.booleans(),
     seed=st.integers(0, 2**16),
+    min_tokens=st.sampled_from([0, 0, 1, 3, 8]),
 )
-def test_stop_strings_random(tiny_tok, text, stops, include, seed):
+def test_stop_strings_random(tiny_tok, text, stops, include, seed, min_tokens):
     ids = encode(tiny_tok, text)
     rng = random.Random(seed)
     chunks, left = [], len(ids)
     while left:
         chunks.append(rng.randint(1, min(3, left)))
         left -= chunks[-1]
-    expected = reference_stop(text, stops, include)
+    # characters settled by the first `min_tokens` tokens cannot end a stop string
+    after = len(full_decode(tiny_tok, ids[:min_tokens]).rstrip(REPLACEMENT))
+    expected = reference_stop(text, stops, include, after)
     for how in (None, chunks, [len(ids)] if ids else []):  # token by token, random chunks, all at once
-        out, detok, _ = run_stops(tiny_tok, text, stops, include, how)
+        out, detok, _ = run_stops(tiny_tok, text, stops, include, how, min_tokens)
         assert (out, detok.stop_reason) == expected
         assert detok.output_text == out
 

@@ -207,7 +207,8 @@ class IncrementalDetokenizer:
     that is completed first in the text wins (then the longest), so the result does not depend on how
     the ids were chunked. Without `include_stop_str_in_output` the last ``max(len(stop)) - 1``
     characters are held back while streaming, so no delta ever shows text that a stop later removes.
-    Each update searches only the new text plus that many characters before it.
+    Each update searches only the new text plus that many characters before it. As in vLLM, a stop
+    string counts only when it ends in text of output tokens after the first `min_tokens`.
 
     Feed the ids the text should contain: to leave EOS / a stop token id out of the text (vLLM's
     behaviour), do not pass it, or decode with ``skip_special_tokens``.
@@ -221,6 +222,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
         strategy: str = "auto",
     ) -> None:
         """`tokenizer`: a fast tokenizer as loaded by AutoTokenizer (or a bare `tokenizers.Tokenizer`).
@@ -234,6 +236,8 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._lookback = max((len(s) for s in self._stops), default=1) - 1
         self._hold = 0 if include_stop_str_in_output else self._lookback
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self._chunks: list[str] = []  # emitted deltas
         self._tail = ""  # the last `_lookback` characters of the text so far
         self._held = 0  # how many characters at the end of `_tail` are not emitted yet
@@ -250,6 +254,7 @@ class IncrementalDetokenizer:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
 
     @property
@@ -278,8 +283,10 @@ class IncrementalDetokenizer:
         ids = [new_token_ids] if isinstance(new_token_ids, int) else new_token_ids
         if not ids:
             return ""
-        new = self._stream.push(ids)
-        return self._accept(new) if new else ""
+        cut = self._min_tokens - self._num_tokens
+        if 0 < cut < len(ids):  # stop strings start to count inside this chunk
+            return self._update(ids[:cut]) + self._update(ids[cut:])
+        return self._update(ids)
 
     def flush(self) -> str:
         """End of output (EOS, length, abort): return everything still held back."""
@@ -293,13 +300,18 @@ class IncrementalDetokenizer:
             self._finished = True
         return out
 
+    def _update(self, ids: Sequence[int]) -> str:
+        self._num_tokens += len(ids)
+        new = self._stream.push(ids)
+        return self._accept(new) if new else ""
+
     def _accept(self, new: str) -> str:
         """Add settled text; check it for stop strings; return the part that may be emitted now."""
         if not self._stops:
             return self._emit(new)
         window = self._tail + new
         start = len(self._tail) - self._held  # first character of `window` not emitted yet
-        hit = self._find_stop(window, len(self._tail))
+        hit = self._find_stop(window, len(self._tail)) if self._num_tokens > self._min_tokens else None
         if hit is not None:
             pos, stop = hit
             end = pos + len(stop) if self._include_stop else pos
