@@ -26,7 +26,7 @@ Two decoding strategies share one small interface (`push` ids -> settled text, `
   prefix/read offset scheme of vLLM and ``tokenizers.decoders.DecodeStream``. It decodes a short window
   of recent ids and emits the text past that of the window's context ids, holding text that ends in
   U+FFFD. `tokenizers`' DecodeStream does the same in Rust but has no flush for a tail that never
-  becomes valid, so we keep our own (measured: byte-level 0.6 µs/token, window 2.5, DecodeStream 0.6
+  becomes valid, so we keep our own (measured: byte-level ~0.6 µs/token, window ~2, DecodeStream ~0.6
   on SmolLM2's tokenizer; see tests/unit/test_detokenizer.py).
 """
 
