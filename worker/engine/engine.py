@@ -20,7 +20,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampleRow
 from worker.engine.outputs import CompletionOutput, RequestOutput
-from worker.engine.request import Request, Sequence, SeqStatus
+from worker.engine.request import Request, SeqStatus, Sequence
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.models.loader import load_model, load_tokenizer
@@ -61,9 +61,7 @@ class LLMEngine:
         model_limit = int(getattr(loaded.config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.max_model_len or model_limit, model_limit)
         if cfg.max_model_len and cfg.max_model_len > model_limit:
-            raise ValueError(
-                f"--max-model-len={cfg.max_model_len} exceeds the model's limit of {model_limit}"
-            )
+            raise ValueError(f"--max-model-len={cfg.max_model_len} exceeds the model's limit of {model_limit}")
         chunked = cfg.enable_chunked_prefill
         budget = cfg.max_num_batched_tokens or (2048 if chunked else self.max_model_len)
         self.scheduler_config = SchedulerConfig(
@@ -95,6 +93,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.eos_token_ids = self._eos_ids(loaded)
+        self.runner.eos_token_ids = self.eos_token_ids
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._accepted: set[str] = set()  # ids added and not yet finished (any thread may read)
@@ -126,9 +125,7 @@ class LLMEngine:
         if messages is not None:
             if not self.tokenizer.chat_template:
                 raise RequestError("this model has no chat template: send a prompt instead of messages")
-            rendered = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self.tokenizer(rendered, add_special_tokens=False).input_ids
         return self.tokenizer(prompt).input_ids
 
@@ -234,13 +231,7 @@ class LLMEngine:
 
     def _equip(self, seq: Sequence, seed: int | None) -> None:
         p = seq.request.sampling_params
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            seq.request.prompt_token_ids,
-            skip_special_tokens=p.skip_special_tokens,
-            stop=p.stop,
-            include_stop_str_in_output=p.include_stop_str_in_output,
-        )
+        seq.detokenizer = IncrementalDetokenizer.from_sampling_params(self.tokenizer, seq.request.prompt_token_ids, p)
         if seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
 
@@ -286,9 +277,7 @@ class LLMEngine:
         for s in sched.scheduled:
             seq = s.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.stats.prompt_tokens += min(
-                    s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
-                )
+                self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += s.num_new_tokens
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
 
@@ -316,18 +305,17 @@ class LLMEngine:
             if want_logprobs and p.logprobs is not None:
                 seq.logprobs.append(lp[r])
                 k = p.logprobs
-                seq.top_logprobs.append(
-                    list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else []
-                )
-            seq.detokenizer.add([token])
+                seq.top_logprobs.append(list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else [])
             status = self._stop_status(seq, token)
             if status is not None:
                 self.scheduler.finish(seq, status)
+                seq.pending_text += seq.detokenizer.flush()
             self._emit(req, outputs)
             if req.finished:
                 self._retire(req)
 
     def _stop_status(self, seq: Sequence, token: int) -> SeqStatus | None:
+        """Feed the new token to the detokenizer (unless it is the stop token) and apply vLLM's stops."""
         p = seq.request.sampling_params
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
@@ -336,9 +324,10 @@ class LLMEngine:
             if token in p.stop_token_ids:
                 seq.stop_reason = token
                 return SeqStatus.FINISHED_STOPPED
-            if seq.detokenizer.stop_string is not None:
-                seq.stop_reason = seq.detokenizer.stop_string
-                return SeqStatus.FINISHED_STOPPED
+        seq.pending_text += seq.detokenizer.update(token)
+        if seq.detokenizer.stopped:
+            seq.stop_reason = seq.detokenizer.stop_reason
+            return SeqStatus.FINISHED_STOPPED
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return SeqStatus.FINISHED_LENGTH
         if seq.num_tokens >= self.max_model_len:
@@ -351,6 +340,8 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, status)
+                if seq.detokenizer:
+                    seq.pending_text += seq.detokenizer.flush()
         self._emit(req, outputs)
         self._retire(req)
 
@@ -367,17 +358,14 @@ class LLMEngine:
         prev = outputs.get(req.request_id)
         completions = []
         for seq in req.seqs:
-            det = seq.detokenizer
             new_ids = seq.output_token_ids[seq.num_emitted :]
             seq.num_emitted = seq.num_output_tokens
-            delta = det.take_delta() if det else ""
-            if seq.finished and det:
-                delta += det.flush()
+            delta, seq.pending_text = seq.pending_text, ""
             old = prev.outputs[seq.index] if prev and seq.index < len(prev.outputs) else None
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=det.text if det else "",
+                    text=seq.detokenizer.output_text if seq.detokenizer else "",
                     token_ids=list(seq.output_token_ids),
                     finish_reason=seq.status.finish_reason,
                     stop_reason=seq.stop_reason,

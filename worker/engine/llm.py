@@ -40,9 +40,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
@@ -54,9 +52,7 @@ class LLM:
                 ids.append(self.engine.add_request(None, prompt, p))
         return self._run(ids, use_tqdm)
 
-    def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params=None, **kw
-    ) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, **kw) -> list[RequestOutput]:
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         return self.generate(messages, sampling_params, **kw)

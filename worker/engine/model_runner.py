@@ -16,7 +16,7 @@ import torch
 from kernels import AttentionMetadata, copy_blocks
 from worker.engine.kv_cache import KVCacheManager, blocks_for_bytes
 from worker.engine.request import Sequence
-from worker.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from worker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, min_tokens_suppression
 from worker.engine.scheduler import SchedulerOutput
 from worker.models.loader import LoadedModel
 
@@ -62,6 +62,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.sampler = Sampler()
+        self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine (min_tokens masks them)
 
     # --- sizing ------------------------------------------------------------------------------
 
@@ -77,9 +78,7 @@ class ModelRunner:
             kv_bytes = self._profile_free_cuda_bytes(utilization, max_num_batched_tokens)
         elif kv_bytes is None:
             # Never more than every sequence at full length could use.
-            kv_bytes = min(
-                CPU_DEFAULT_KV_BYTES, max_num_seqs * self.max_blocks_per_seq * self.bytes_per_block
-            )
+            kv_bytes = min(CPU_DEFAULT_KV_BYTES, max_num_seqs * self.max_blocks_per_seq * self.bytes_per_block)
         elem = torch.empty((), dtype=self.dtype).element_size()
         n = blocks_for_bytes(
             kv_bytes,
@@ -139,9 +138,7 @@ class ModelRunner:
     # --- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(
-        self, sched: SchedulerOutput, rows: list[SampleRow], kv: KVCacheManager
-    ) -> SamplerOutput | None:
+    def execute(self, sched: SchedulerOutput, rows: list[SampleRow], kv: KVCacheManager) -> SamplerOutput | None:
         if sched.block_copies:
             pairs = torch.tensor(sched.block_copies, dtype=torch.long, device=self.device)
             copy_blocks([c for layer in self.kv_caches for c in layer], pairs)
@@ -151,14 +148,24 @@ class ModelRunner:
             return None
         index = torch.tensor([last_rows[r.batch_index] for r in rows], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        batch = SamplingBatch.build(
-            [r.seq.request.sampling_params for r in rows],
-            prompt_token_ids=[r.seq.request.prompt_token_ids for r in rows],
-            output_token_ids=[r.seq.output_token_ids for r in rows],
-            generators=[r.seq.generator for r in rows],
-            device=self.device,
-        )
-        return self.sampler(logits, batch)
+        return self.sampler(logits, self._sampling_batch(rows))
+
+    def _sampling_batch(self, rows: list[SampleRow]) -> SamplingBatch:
+        sampling_rows = []
+        for r in rows:
+            p = r.seq.request.sampling_params
+            # Token histories are only copied for the rows whose parameters read them.
+            needs_output = p.uses_penalties or p.min_tokens > 0
+            sampling_rows.append(
+                SamplingRow(
+                    p,
+                    r.seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else (),
+                    r.seq.output_token_ids if needs_output else (),
+                    r.seq.generator,
+                )
+            )
+        suppress = min_tokens_suppression(sampling_rows, self.eos_token_ids)
+        return SamplingBatch.build(sampling_rows, device=self.device, suppress=suppress or None)
 
     def _prepare(self, sched: SchedulerOutput, kv: KVCacheManager):
         bs = self.block_size

@@ -92,6 +92,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.num_emitted = 0  # output tokens already handed out in RequestOutputs
+        self.pending_text = ""  # detokenized text not yet handed out
 
     @property
     def num_tokens(self) -> int:

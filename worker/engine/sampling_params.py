@@ -50,7 +50,7 @@ class SamplingParams:
             raise bad("max_tokens", "must be at least 1")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", "must be in [0, max_tokens]")
-        if not 0.0 <= self.temperature:
+        if not self.temperature >= 0.0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
@@ -75,6 +75,4 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from worker.engine.config import SchedulerConfig
 from worker.engine.kv_cache import KVCacheManager
-from worker.engine.request import Sequence, SeqStatus
+from worker.engine.request import SeqStatus, Sequence
 
 
 @dataclass
