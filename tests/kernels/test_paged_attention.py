@@ -1,0 +1,138 @@
+"""The Triton attention kernels, run by the interpreter on CPU tensors, against the reference and a
+float64 dense attention built from the gathered cache.
+
+Every call writes into an output poisoned with NaN, and the caches hold NaN wherever nothing was
+written (including the blocks that junk block-table entries point at), so any unwritten output or any
+read of a slot outside a request's context fails the relative-error check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cases import Case, Shape, case_from_shape, dense_attention, make_case, random_shape, rel_err
+
+from kernels import paged_attention, use_backend
+from kernels.paged_attention import decode_partition_size, paged_attention_triton
+from kernels.reference import paged_attention_ref
+
+# fp32: both sides accumulate in fp32 (tl.dot with ieee precision), 1e-3 leaves a wide margin over
+# the ~1e-7 seen. fp16: the kernel rounds the probabilities to fp16 before P @ V and the output at
+# the end, each a relative error of at most 2^-11 ~ 4.9e-4; 2e-3 is four units of roundoff.
+TOL = {torch.float32: 1e-3, torch.float16: 2e-3}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+NUM_RANDOM = 48
+
+
+def _poisoned(case: Case) -> torch.Tensor:
+    return torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
+
+
+def _check(case: Case, got: torch.Tensor) -> None:
+    tol = TOL[case.query.dtype]
+    want = dense_attention(case)
+    ref = paged_attention_ref(
+        case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale, sliding_window=case.window
+    )
+    assert torch.isfinite(got).all(), "unwritten or NaN output"
+    assert rel_err(got, want) < tol
+    assert rel_err(got, ref) < tol
+
+
+def _triton(case: Case, partition_size: int | None = None) -> torch.Tensor:
+    out = _poisoned(case)
+    got = paged_attention_triton(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.meta,
+        scale=case.scale,
+        sliding_window=case.window,
+        out=out,
+        partition_size=partition_size,
+    )
+    assert got is out
+    return got
+
+
+@DTYPES
+@pytest.mark.parametrize("seed", range(NUM_RANDOM))
+def test_random_mixed_batches(seed, dtype):
+    """Odd seeds go through the public dispatch; even ones force 64-key decode partitions."""
+    case = case_from_shape(random_shape(seed), dtype, seed)
+    if seed % 2:
+        out = _poisoned(case)
+        with use_backend("triton"):
+            got = paged_attention(
+                case.query, case.k_cache, case.v_cache, case.meta, scale=case.scale,
+                sliding_window=case.window, out=out,
+            )  # fmt: skip
+        assert got is out
+    else:
+        got = _triton(case, partition_size=64)
+    _check(case, got)
+
+
+def test_random_shapes_cover_the_axes():
+    shapes: list[Shape] = [random_shape(s) for s in range(NUM_RANDOM)]
+    assert {s.head_dim for s in shapes} == {64, 80, 96, 128}
+    assert {s.num_q_heads // s.num_kv_heads for s in shapes} == {1, 2, 4, 8}
+    assert {s.block_size for s in shapes} == {16, 32}
+    assert any(s.window for s in shapes) and any(s.window is None for s in shapes)
+    assert any(s.num_decodes and len(s.seq_lens) > s.num_decodes for s in shapes), "no mixed batch"
+    assert any(s.strided_query for s in shapes) and not all(s.host_lens for s in shapes)
+    decode_lens = {n for s in shapes for n in s.seq_lens[: s.num_decodes]}
+    assert 1 in decode_lens and any(n % s.block_size == 0 for s in shapes for n in s.seq_lens)
+    chunks = [q for s in shapes for q in s.query_lens[s.num_decodes :]]
+    assert 1 in chunks and max(chunks) > 32
+
+
+@DTYPES
+@pytest.mark.parametrize(("partition_size", "window"), [(64, None), (128, None), (64, 150)])
+def test_decode_split_into_partitions(partition_size, window, dtype):
+    """Contexts of several partitions, ragged, some empty partitions (short requests, window)."""
+    lens = [1, 64, 129, 300, 517]
+    case = make_case(
+        lens, [1] * len(lens), num_q_heads=4, num_kv_heads=1, head_dim=96, block_size=16,
+        dtype=dtype, window=window, seed=7,
+    )  # fmt: skip
+    _check(case, _triton(case, partition_size=partition_size))
+
+
+@DTYPES
+def test_decode_split_chosen_automatically(dtype):
+    """One long request on a small grid: the launcher itself splits the context."""
+    case = make_case([700], [1], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=32, dtype=dtype)
+    assert decode_partition_size(1, 1, 700, case.query.device, 64) < 700
+    _check(case, _triton(case))
+
+
+@DTYPES
+def test_long_chunk_with_window_and_context(dtype):
+    """A 64-token chunk after 100 cached tokens, window shorter than the chunk, next to decodes."""
+    case = make_case(
+        [37, 200, 164], [1, 1, 64], num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=32,
+        dtype=dtype, window=24, seed=3, strided_query=True,
+    )  # fmt: skip
+    _check(case, _triton(case))
+
+
+def test_block_size_8_and_one_token_prefill_chunks():
+    case = make_case(
+        [9, 17, 1, 24], [1, 1, 1, 1], num_q_heads=3, num_kv_heads=1, head_dim=64, block_size=8,
+        num_decodes=1, seed=5,
+    )  # fmt: skip
+    _check(case, _triton(case))
+
+
+def test_out_none_returns_query_dtype():
+    case = make_case([20, 50], [1, 10], num_q_heads=2, num_kv_heads=2, head_dim=64, block_size=16)
+    got = paged_attention_triton(case.query, case.k_cache, case.v_cache, case.meta, scale=case.scale)
+    assert got.shape == case.query.shape and got.dtype == case.query.dtype
+    _check(case, got)
+
+
+def test_rejects_bad_partition_size():
+    case = make_case([20], [1], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16)
+    with pytest.raises(ValueError, match="partition_size"):
+        _triton(case, partition_size=48)
