@@ -203,6 +203,7 @@ class LLMEngine:
         result = self.runner.execute(sched, rows, self.kv)
         self._advance(sched)
         for child, parent in forks:
+            child.num_computed_tokens = parent.num_computed_tokens
             self.kv.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
         if result is not None:
