@@ -153,7 +153,9 @@ def test_stop_string_cuts_the_text(engine):
 
 def test_streamed_text_deltas_add_up_to_the_decode(engine):
     tok = engine.tokenizer
-    engine.add_request("zh", prompt="大型语言模型的推理 🚀", params=SamplingParams(temperature=0.9, seed=3, max_tokens=40))
+    engine.add_request(
+        "zh", prompt="大型语言模型的推理 🚀", params=SamplingParams(temperature=0.9, seed=3, max_tokens=40)
+    )
     deltas, final = [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -189,7 +191,9 @@ def test_request_larger_than_the_pool_fails_instead_of_hanging(llama_dir):
 
 
 def test_request_metrics(engine):
-    engine.add_request("m", prompt="metrics please", params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.add_request(
+        "m", prompt="metrics please", params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
     m = drain(engine)["m"].metrics
     assert m.queue_time is not None and m.queue_time >= 0
     assert 0 < m.ttft <= m.e2e
@@ -245,3 +249,39 @@ def test_smollm2_greedy_equals_transformers(smollm2_dir):
         assert o.outputs[0].token_ids == w, f"prompt {i} {texts[i]!r} diverged"
     assert "Paris" in outs[0].outputs[0].text
     assert_clean(llm.engine)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 7, 19, 20])
+def test_resume_continues_exactly_where_delivery_stopped(engine, cut):
+    """A request resumed from the tokens a crashed worker delivered ends as the uninterrupted run."""
+    from worker.engine.detokenizer import IncrementalDetokenizer
+
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["zzz"])
+    engine.add_request("ref", prompt="连续批处理 streams", params=params)
+    ref = drain(engine)["ref"].outputs[0]
+    det = IncrementalDetokenizer.from_sampling_params(engine.tokenizer, None, params)
+    delivered_text = "".join(det.update(t) for t in ref.token_ids[:cut])
+
+    engine.add_request("again", prompt="连续批处理 streams", params=params, resume=[ref.token_ids[:cut]])
+    new_ids, new_text, final = [], "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            new_ids += out.outputs[0].delta_token_ids
+            new_text += out.outputs[0].delta_text
+            final = out
+    assert final.outputs[0].token_ids == ref.token_ids
+    assert new_ids == ref.token_ids[cut:]  # nothing delivered twice
+    assert delivered_text + new_text == ref.text
+    assert final.outputs[0].finish_reason == "length"
+    assert_clean(engine)
+
+
+def test_resume_of_parallel_samples_keeps_finished_ones_finished(engine):
+    eos = min(engine.eos_token_ids)
+    params = SamplingParams(n=2, temperature=0, max_tokens=6)
+    engine.add_request("r", prompt_token_ids=[5, 6, 7], params=params, resume=[[8, 9, eos], [10]])
+    final = drain(engine)["r"]
+    a, b = final.outputs
+    assert a.token_ids == [8, 9, eos] and a.finish_reason == "stop"
+    assert b.token_ids[:1] == [10] and b.finish_reason in ("length", "stop")
+    assert_clean(engine)

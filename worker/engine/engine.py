@@ -141,8 +141,13 @@ class LLMEngine:
         deadline: float | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        resume: Seq[Seq[int]] | None = None,
     ) -> str:
-        """Queue a request for the next step; returns its id. Raises `RequestError` if it cannot run."""
+        """Queue a request for the next step; returns its id. Raises `RequestError` if it cannot run.
+
+        `resume` continues a request another worker started: per sample, the output tokens already
+        delivered. They are recomputed as context (not sampled again) and count toward max_tokens.
+        """
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._auto_id)}"
         if request_id in self._accepted:
@@ -164,6 +169,8 @@ class LLMEngine:
             )
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise RequestError(f"request {request_id}: logprobs={params.logprobs} > max_logprobs")
+        if resume is not None and len(resume) != params.n:
+            raise RequestError(f"request {request_id}: resume holds {len(resume)} samples, n={params.n}")
         req = Request(
             request_id,
             ids,
@@ -174,6 +181,7 @@ class LLMEngine:
             deadline=deadline,
             cache_salt=cache_salt,
         )
+        req.resume = [list(r) for r in resume] if resume is not None else None
         self._accepted.add(request_id)
         self._inbox.put(("add", req))
         return request_id
@@ -220,15 +228,44 @@ class LLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._admit(arg)
+                self._admit(arg, outputs)
             elif kind == "abort" and arg in self.requests:
                 self._finish_request(self.requests[arg], SeqStatus.FINISHED_ABORTED, outputs)
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
         self.requests[req.request_id] = req
+        if req.resume is not None:
+            self._admit_resumed(req, outputs)
+            return
         seq = req.seqs[0]
         self._equip(seq, req.sampling_params.seed)
         self.scheduler.add(seq)
+
+    def _admit_resumed(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
+        """One sequence per sample, each holding the tokens already delivered (no fork: prefix caching
+        shares what the samples have in common). The detokenizer replays them, so its held-back text
+        and stop-string state are what the first worker had; a sample that had already stopped ends here."""
+        p = req.sampling_params
+        req.forked = True
+        req.seqs = []
+        for k, delivered in enumerate(req.resume or []):
+            seq = Sequence(f"{req.request_id}#{k}", req, list(req.prompt_token_ids), index=k)
+            req.seqs.append(seq)
+            self._equip(seq, None if p.seed is None else p.seed + k)
+            status = None
+            for token in delivered:
+                seq.token_ids.append(token)
+                status = self._stop_status(seq, token)
+            seq.pending_text = ""  # already delivered
+            seq.num_emitted = seq.num_output_tokens
+            if status is None:
+                self.scheduler.add(seq)
+            else:
+                seq.status = status
+                seq.pending_text = seq.detokenizer.flush()
+        if req.finished:
+            self._emit(req, outputs)
+            self._retire(req)
 
     def _equip(self, seq: Sequence, seed: int | None) -> None:
         p = seq.request.sampling_params

@@ -146,6 +146,7 @@ class Request:
         self.seqs: list[Sequence] = [Sequence(f"{request_id}#0", self, list(prompt_token_ids))]
         self.forked = sampling_params.n == 1
         self.error: str | None = None  # why the engine gave up on it, when it did
+        self.resume: list[list[int]] | None = None  # per sample, tokens a previous worker delivered
 
     @property
     def finished(self) -> bool:
