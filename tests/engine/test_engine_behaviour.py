@@ -56,8 +56,8 @@ def test_expired_deadline_finishes_with_deadline_and_no_forward(engine):
 
 
 def test_deadline_reached_mid_generation(engine):
-    engine.add_request("d", prompt="hello", params=SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True),
-                       deadline=time.time() + 0.3)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    engine.add_request("d", prompt="hello", params=params, deadline=time.time() + 0.3)
     finals = drain(engine)
     out = finals["d"].outputs[0]
     assert out.finish_reason == "deadline" and 0 < len(out.token_ids) < 10_000
@@ -124,11 +124,10 @@ def test_stop_token_ids_max_tokens_min_tokens_and_ignore_eos(engine):
     ref = drain(engine)["probe"].outputs[0].token_ids
     stop_tok = ref[5]
     first = ref.index(stop_tok)
-    engine.add_request("s", prompt="Paged attention", params=SamplingParams(temperature=0, max_tokens=20,
-                                                                          stop_token_ids=[stop_tok]))  # fmt: skip
-    engine.add_request("m", prompt="Paged attention", params=SamplingParams(temperature=0, max_tokens=20,
-                                                                          stop_token_ids=[stop_tok],
-                                                                          min_tokens=first + 2))  # fmt: skip
+    stop_at = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok])
+    not_before = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok], min_tokens=first + 2)
+    engine.add_request("s", prompt="Paged attention", params=stop_at)
+    engine.add_request("m", prompt="Paged attention", params=not_before)
     finals = drain(engine)
     s = finals["s"].outputs[0]
     assert s.finish_reason == "stop" and s.stop_reason == stop_tok and s.token_ids == ref[: first + 1]
@@ -138,13 +137,13 @@ def test_stop_token_ids_max_tokens_min_tokens_and_ignore_eos(engine):
 
 
 def test_stop_string_cuts_the_text(engine):
-    engine.add_request("probe", prompt="Continuous batching", params=SamplingParams(temperature=0, max_tokens=24,
-                                                                                   ignore_eos=True))  # fmt: skip
+    probe = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.add_request("probe", prompt="Continuous batching", params=probe)
     text = drain(engine)["probe"].outputs[0].text
     assert len(text) > 6
     stop = text[3:6]
-    engine.add_request("s", prompt="Continuous batching", params=SamplingParams(temperature=0, max_tokens=24,
-                                                                               ignore_eos=True, stop=[stop]))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    engine.add_request("s", prompt="Continuous batching", params=params)
     out = drain(engine)["s"].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]

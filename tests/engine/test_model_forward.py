@@ -112,7 +112,7 @@ def test_logits_match_transformers(tiny_model_dirs, hf_models, block_size):
 def test_missing_folder_is_a_readable_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(tmp_path / "nope")
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(tmp_path)
 
 
