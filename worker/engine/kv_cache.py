@@ -178,9 +178,7 @@ class KVCacheManager:
         seq.num_tokens = max(seq.num_tokens, num_tokens)
         return True
 
-    def commit(
-        self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int, extra_key: Hashable = None
-    ):
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int, extra_key: Hashable = None):
         """Name the sequence's full blocks whose `num_computed` tokens are in the cache, for reuse."""
         if not self.enable_prefix_caching:
             return
