@@ -1,10 +1,11 @@
 """Plain-torch paged attention and cache writes: the engine's CPU path and the oracle of the kernel tests.
 
-Decodes (the first `num_decodes` requests, one query token each) are attended together. Their visible
-keys are gathered head-major (`[n, Hkv, L, D]`, so the matmuls read contiguous rows) with a single
-`index_select` per cache, in buckets of requests of similar length so that little is padded; the G query
-heads sharing a KV head are the G rows of one matmul, so K/V is never repeated. Padding positions point
-at a real key of the same request (finite values) and are masked with -inf before the fp32 softmax.
+Decodes (the first `num_decodes` requests, one query token each) are attended together, in buckets of
+requests of similar length so that little is padded. A bucket's visible keys are gathered head-major
+(`[n, Hkv, L, D]`, so the matmuls read contiguous rows) with one `index_select` per cache into a reused
+buffer; the G query heads sharing a KV head are the G rows of one matmul, so K/V is never repeated.
+Padding positions point at a real key of the same request (finite values) and are masked with -inf
+before the fp32 softmax.
 
 Each prefill chunk is attended on its own with `scaled_dot_product_attention` (GQA native) and a
 causal-with-offset mask; only the keys it can see are gathered.
