@@ -257,7 +257,7 @@ class LLMEngine:
                 seq.token_ids.append(token)
                 status = self._stop_status(seq, token)
             seq.pending_text = ""  # already delivered
-            seq.num_emitted = seq.num_output_tokens
+            seq.num_emitted = seq.logprob_offset = seq.num_output_tokens
             if status is None:
                 self.scheduler.add(seq)
             else:
@@ -394,25 +394,29 @@ class LLMEngine:
     def _emit(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
         """(Re)build the request's output for this step, with what each sample added since last time."""
         prev = outputs.get(req.request_id)
+        want_lp = req.sampling_params.logprobs is not None
         completions = []
         for seq in req.seqs:
-            new_ids = seq.output_token_ids[seq.num_emitted :]
+            start = seq.num_emitted
+            new_ids = seq.output_token_ids[start:]
             seq.num_emitted = seq.num_output_tokens
             delta, seq.pending_text = seq.pending_text, ""
             old = prev.outputs[seq.index] if prev and seq.index < len(prev.outputs) else None
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.detokenizer.output_text if seq.detokenizer else "",
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.status.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=list(seq.logprobs) if seq.request.sampling_params.logprobs is not None else None,
-                    top_logprobs=list(seq.top_logprobs) if seq.request.sampling_params.logprobs else None,
-                    delta_token_ids=(old.delta_token_ids if old else []) + new_ids,
-                    delta_text=(old.delta_text if old else "") + delta,
-                )
+            out = CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.output_text if seq.detokenizer else "",
+                token_ids=list(seq.output_token_ids),
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+                delta_token_ids=(old.delta_token_ids if old else []) + new_ids,
+                delta_text=(old.delta_text if old else "") + delta,
             )
+            if want_lp:  # tokens a previous worker delivered (resume) have none
+                lp_start = max(start - seq.logprob_offset, 0)
+                out.logprobs, out.top_logprobs = list(seq.logprobs), list(seq.top_logprobs)
+                out.delta_logprobs = (old.delta_logprobs if old else []) + seq.logprobs[lp_start:]
+                out.delta_top_logprobs = (old.delta_top_logprobs if old else []) + seq.top_logprobs[lp_start:]
+            completions.append(out)
         outputs[req.request_id] = RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,

@@ -91,6 +91,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.logprob_offset = 0  # output tokens without logprobs (delivered by a previous worker)
         self.num_emitted = 0  # output tokens already handed out in RequestOutputs
         self.pending_text = ""  # detokenized text not yet handed out
 

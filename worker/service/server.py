@@ -1,0 +1,291 @@
+"""The worker process: the engine loop on its own thread, Redis I/O on asyncio beside it.
+
+    engine thread:  step() back to back while there is work  --outputs-->  publisher (asyncio)
+    asyncio:        intake (XREADGROUP) --add_request-->  engine
+                    control (cancels, renewal, reclaim, heartbeats, gauges, summary)
+
+The engine never waits for the network and the network never waits for a forward pass.
+Shutdown (SIGTERM/SIGINT): stop pulling, let in-flight work finish for up to `drain_timeout`, then
+hand the rest over (its tokens so far are published, its entry is released un-acked so another
+worker resumes it at once), and exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from producer_sdk import keys
+from producer_sdk.protocol import DEFAULT_LIMITS, Limits
+from worker.engine.engine import LLMEngine
+from worker.service.control import HANDOVER_IDLE_MS, Control, every
+from worker.service.inflight import InFlight, InFlightTable
+from worker.service.intake import Intake
+from worker.service.logging import get_logger
+from worker.service.metrics import WorkerMetrics
+from worker.service.publisher import REDIS_DOWN, Publisher
+
+
+@dataclass
+class ServiceConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model_name: str = "default"
+    consumer: str | None = None  # default: host-pid
+    max_queue_len: int | None = None
+    drain_timeout: float = 30.0
+    claim_idle_ms: int = 30_000  # an entry idle this long belongs to a dead worker
+    renew_interval_s: float = 5.0
+    reclaim_interval_s: float = 5.0
+    heartbeat_interval_s: float = 2.0
+    summary_interval_s: float = 10.0
+    max_deliveries: int = 3
+    result_ttl_s: int = 24 * 3600
+    intake_headroom: int | None = None  # entries pulled beyond free sequence slots
+    metrics_port: int | None = None
+    limits: Limits = field(default_factory=lambda: DEFAULT_LIMITS)
+
+    def __post_init__(self) -> None:
+        if self.renew_interval_s * 1000 * 2 > self.claim_idle_ms:
+            raise ValueError("renew_interval_s must be well inside claim_idle_ms (at most half)")
+
+
+class WorkerService:
+    def __init__(self, engine: LLMEngine, config: ServiceConfig, metrics: WorkerMetrics | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.model = config.model_name
+        self.consumer = config.consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = metrics or WorkerMetrics(self.model)
+        self.inflight = InFlightTable()
+        self.log = get_logger("pagedq.worker", worker=self.consumer, model=self.model)
+        self.stopping = asyncio.Event()
+        self.metrics_port: int | None = None
+        self._engine_wake = threading.Event()
+        self._engine_stop = threading.Event()
+        self._engine_error: BaseException | None = None
+        self._last_counts = (0, 0, 0, 0, 0)
+        seqs = engine.scheduler_config.max_num_seqs
+        self.headroom = config.intake_headroom if config.intake_headroom is not None else max(1, seqs // 8)
+
+    # --- shared helpers -----------------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """New entries this worker can take now: free sequence slots plus a little headroom."""
+        if self.stopping.is_set():
+            return 0
+        seqs = self.engine.scheduler_config.max_num_seqs
+        return seqs + self.headroom - len(self.inflight)
+
+    def wake_engine(self) -> None:
+        self._engine_wake.set()
+
+    def _on_done(self, rec: InFlight) -> None:
+        self.intake.capacity_changed.set()
+
+    def _on_lost(self, rec_or_id) -> None:
+        rid = rec_or_id if isinstance(rec_or_id, str) else rec_or_id.request_id
+        rec = self.inflight.pop(rid, None)
+        if rec is not None:
+            rec.lost = True
+            self.engine.abort_request(rid)
+            self.intake.capacity_changed.set()
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _engine_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        eng = self.engine
+        while not self._engine_stop.is_set():
+            if not eng.has_unfinished_requests():
+                self._engine_wake.wait(0.05)
+                self._engine_wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = eng.step()
+            except BaseException as e:  # the loop reacts; the thread ends
+                self._engine_error = e
+                loop.call_soon_threadsafe(self.stopping.set)
+                return
+            self._record_step(time.perf_counter() - t0)
+            if outputs:
+                loop.call_soon_threadsafe(self.publisher.put, outputs)
+
+    def _record_step(self, seconds: float) -> None:
+        eng, m = self.engine, self.metrics
+        st, kv = eng.stats, eng.kv
+        counts = (st.prompt_tokens, st.generation_tokens, st.num_preemptions, kv.prefix_queries_tokens,
+                  kv.prefix_hits_tokens)  # fmt: skip
+        last = self._last_counts
+        for metric, now, before in zip(
+            (m.prompt_tokens, m.generation_tokens, m.preemptions, m.prefix_queries, m.prefix_hits),
+            counts,
+            last,
+            strict=True,
+        ):
+            if now > before:
+                m.labels(metric).inc(now - before)
+        self._last_counts = counts
+        if st.last_step_tokens:
+            m.labels(m.step_tokens).observe(st.last_step_tokens)
+            m.labels(m.step_seconds).observe(seconds)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self, *, install_signal_handlers: bool = True) -> int:
+        cfg = self.config
+        # Two clients: a blocking XREADGROUP must not hold up publishing.
+        self.redis = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=10)
+        self.blocking_redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=None)
+        ttl_ms = cfg.result_ttl_s * 1000
+        self.intake = Intake(
+            self.redis, self.blocking_redis, self.engine, self.inflight,
+            model=self.model, consumer=self.consumer, limits=cfg.limits, ttl_ms=ttl_ms,
+            metrics=self.metrics, capacity=self.capacity, wake_engine=self.wake_engine,
+        )  # fmt: skip
+        self.publisher = Publisher(
+            self.redis, self.inflight,
+            model=self.model, group=keys.group(self.model), consumer=self.consumer, ttl_ms=ttl_ms,
+            metrics=self.metrics, on_lost=self._on_lost, on_done=self._on_done,
+        )  # fmt: skip
+        self.control = Control(
+            self.redis, self.engine, self.inflight, self.intake,
+            model=self.model, consumer=self.consumer, metrics=self.metrics, claim_idle_ms=cfg.claim_idle_ms,
+            max_deliveries=cfg.max_deliveries, heartbeat_interval_s=cfg.heartbeat_interval_s,
+            capacity=self.capacity, on_lost=self._on_lost,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        if install_signal_handlers:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(cfg.metrics_port)
+        await self._connect()
+        engine_thread = threading.Thread(target=self._engine_loop, args=(loop,), name="engine", daemon=True)
+        engine_thread.start()
+        c = self.control
+        tasks = [
+            asyncio.create_task(self.publisher.run(), name="publisher"),
+            asyncio.create_task(self._guard(self.intake.run()), name="intake"),
+            asyncio.create_task(c.listen_for_cancels(), name="cancels"),
+            asyncio.create_task(every(cfg.renew_interval_s, c.renew, self.log, "renew"), name="renew"),
+            asyncio.create_task(every(cfg.reclaim_interval_s, c.reclaim, self.log, "reclaim"), name="reclaim"),
+            asyncio.create_task(every(cfg.heartbeat_interval_s, self._beat, self.log, "heartbeat"), name="beat"),
+            asyncio.create_task(every(cfg.summary_interval_s, c.summary, self.log, "summary"), name="summary"),
+            asyncio.create_task(every(2.0, c.sweep_cancels, self.log, "cancel sweep"), name="sweep"),
+        ]
+        self.log.info(
+            "worker started",
+            redis=_redact(cfg.redis_url),
+            metrics_port=self.metrics_port,
+            max_num_seqs=self.engine.scheduler_config.max_num_seqs,
+            kv_blocks=self.engine.kv.num_blocks,
+        )
+        await self.stopping.wait()
+        tasks[1].cancel()  # intake: stop pulling first
+        for t in tasks[4:5]:  # and stop reclaiming
+            t.cancel()
+        rc = 0
+        if self._engine_error is not None:
+            self.log.error("engine failed", error=repr(self._engine_error))
+            rc = 1
+        else:
+            await self._drain()
+        await self._handover()
+        self._engine_stop.set()
+        self._engine_wake.set()
+        engine_thread.join(timeout=10)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await self.redis.zrem(keys.heartbeats(self.model), self.consumer)
+            await self.redis.delete(keys.worker_state(self.model, self.consumer))
+        except REDIS_DOWN:
+            pass
+        await self.redis.aclose()
+        await self.blocking_redis.aclose()
+        self.log.info("worker stopped", exit_code=rc)
+        return rc
+
+    def stop(self) -> None:
+        if not self.stopping.is_set():
+            self.log.info("stopping: draining in-flight requests", in_flight=len(self.inflight),
+                          drain_timeout_s=self.config.drain_timeout)  # fmt: skip
+            self.stopping.set()
+
+    async def _connect(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self.intake.ensure_groups()
+                cfg = {"max_model_len": self.engine.max_model_len, "block_size": self.engine.kv.block_size}
+                if self.config.max_queue_len:
+                    cfg["max_queue_len"] = self.config.max_queue_len
+                await self.redis.hset(keys.config(self.model), mapping=cfg)
+                return
+            except REDIS_DOWN as e:
+                self.log.warning("waiting for redis", error=str(e), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _guard(self, coro) -> None:
+        """Intake survives Redis outages: retry with backoff."""
+        delay = 0.1
+        while True:
+            try:
+                await coro
+                return
+            except REDIS_DOWN as e:
+                self.metrics.labels(self.metrics.redis_errors).inc()
+                self.log.warning("intake: redis unavailable", error=str(e), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                coro = self.intake.run()
+
+    async def _beat(self) -> None:
+        self.control.update_engine_gauges()
+        await self.control.heartbeat()
+        if self.config.max_queue_len:
+            await self.redis.hset(keys.config(self.model), "max_queue_len", self.config.max_queue_len)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def _handover(self) -> None:
+        """Give what is still running to another worker: publish its tokens, release its entries."""
+        if not self.inflight:
+            return
+        left = list(self.inflight.values())
+        self.log.info("handing over unfinished requests", count=len(left))
+        for rec in left:
+            rec.handover = True
+            self.engine.abort_request(rec.request_id)
+        self.wake_engine()
+        deadline = time.monotonic() + 10
+        while self.inflight and time.monotonic() < deadline and self._engine_error is None:
+            await asyncio.sleep(0.02)
+        try:
+            await self.publisher.wait_idle()
+            await self.control.renew(HANDOVER_IDLE_MS, left)
+        except REDIS_DOWN as e:
+            self.log.warning("handover: redis unavailable; entries will be reclaimed after the idle timeout",
+                             error=str(e))  # fmt: skip
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for logs."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"
