@@ -104,9 +104,7 @@ class Attention(nn.Module):
         q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
         k_cache, v_cache = kv_cache
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = kernels.paged_attention(
-            q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window
-        )
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
         return F.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 

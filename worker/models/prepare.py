@@ -35,20 +35,14 @@ def default_dir(name: str) -> Path:
 
 
 def is_prepared(path: Path) -> bool:
-    return (
-        (path / "config.json").exists()
-        and any(path.glob("*.safetensors"))
-        and (path / "tokenizer.json").exists()
-    )
+    return (path / "config.json").exists() and any(path.glob("*.safetensors")) and (path / "tokenizer.json").exists()
 
 
 def find_gguf(name: str) -> Path:
     spec_info = KNOWN_MODELS[name]
     spec = importlib.util.find_spec(spec_info["package"])
     if spec is None or not spec.submodule_search_locations:
-        raise PrepareError(
-            f"{name}: package {spec_info['package']} is not installed; run `{spec_info['pip']}`"
-        )
+        raise PrepareError(f"{name}: package {spec_info['package']} is not installed; run `{spec_info['pip']}`")
     path = Path(next(iter(spec.submodule_search_locations))) / spec_info["gguf"]
     if not path.exists():
         raise PrepareError(f"{name}: {path} is missing from the installed package")
