@@ -23,11 +23,11 @@ def _env(name: str, default=None):
     return os.environ.get("PAGEDQ_" + name.upper(), default)
 
 
-def add_service_args(parser: argparse.ArgumentParser) -> None:
+def add_service_args(parser: argparse.ArgumentParser, redis_default: str | None = "redis://127.0.0.1:6379/0") -> None:
     g = parser.add_argument_group("service")
     g.add_argument(
         "--redis-url",
-        default=_env("redis_url", "redis://127.0.0.1:6379/0"),
+        default=_env("redis_url", redis_default),
         help="Redis to serve (env PAGEDQ_REDIS_URL); redis://user:pass@host, rediss:// for TLS",
     )
     g.add_argument(
@@ -70,9 +70,30 @@ def add_service_args(parser: argparse.ArgumentParser) -> None:
         default=int(_env("result_ttl", 86400)),
         help="seconds a response stream is kept after its last event",
     )
+    g.add_argument(
+        "--threads", type=int, default=int(_env("threads", 0)), help="CPU threads for torch (default: torch's choice)"
+    )
     g.add_argument("--log-level", default=_env("log_level", "INFO"))
     g.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
                    help="JSON log lines (default: JSON unless stderr is a terminal)")  # fmt: skip
+
+
+def service_config(args: argparse.Namespace, redis_url: str):
+    from worker.service.server import ServiceConfig
+
+    return ServiceConfig(
+        redis_url=redis_url,
+        model_name=args.model_name,
+        consumer=args.consumer,
+        max_queue_len=args.max_queue_len,
+        drain_timeout=args.drain_timeout,
+        claim_idle_ms=args.claim_idle_ms,
+        renew_interval_s=min(5.0, args.claim_idle_ms / 4000),
+        reclaim_interval_s=min(5.0, args.claim_idle_ms / 2000),
+        max_deliveries=args.max_deliveries,
+        result_ttl_s=args.result_ttl,
+        metrics_port=args.metrics_port,
+    )
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -81,36 +102,53 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from worker.service.logging import configure_logging, get_logger
 
     configure_logging(args.log_level, json=args.log_json)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
-    from worker.service.server import ServiceConfig, WorkerService
+    from worker.service.server import WorkerService
 
     log = get_logger("pagedq")
     if not args.model:
         print("error: --model is required (a model folder, or run `pagedq up` for the bundled one)", file=sys.stderr)
         return 2
-    config = EngineConfig.from_cli_args(args)
-    log.info("loading model", model=config.model, dtype=config.dtype, device=config.device)
-    engine = LLMEngine(config)
+    from worker.engine.config import ConfigError
+    from worker.models.loader import ModelLoadError
+
+    try:
+        config = EngineConfig.from_cli_args(args)
+        log.info("loading model", model=config.model, dtype=config.dtype, device=config.device)
+        engine = LLMEngine(config)
+    except (ConfigError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     log.info("model loaded", kv_blocks=engine.kv.num_blocks, block_size=engine.kv.block_size,
              max_model_len=engine.max_model_len, dtype=str(engine.runner.dtype))  # fmt: skip
-    service = WorkerService(
-        engine,
-        ServiceConfig(
-            redis_url=args.redis_url,
-            model_name=args.model_name,
-            consumer=args.consumer,
-            max_queue_len=args.max_queue_len,
-            drain_timeout=args.drain_timeout,
-            claim_idle_ms=args.claim_idle_ms,
-            renew_interval_s=min(5.0, args.claim_idle_ms / 4000),
-            reclaim_interval_s=min(5.0, args.claim_idle_ms / 2000),
-            max_deliveries=args.max_deliveries,
-            result_ttl_s=args.result_ttl,
-            metrics_port=args.metrics_port,
-        ),
-    )
+    service = WorkerService(engine, service_config(args, args.redis_url))
     return asyncio.run(service.run())
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from worker.local import run_up
+
+    return run_up(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import worker
+
+    root = Path(worker.__file__).resolve().parents[1]
+    if not (root / "ops" / "bench" / "cli.py").exists():
+        print("error: `pagedq bench` runs from a source checkout (ops/bench is not installed)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    from ops.bench.cli import main as bench_main
+
+    return bench_main(args.rest) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(worker)
     add_service_args(worker)
     worker.set_defaults(func=_cmd_worker)
+
+    up = sub.add_parser("up", help="local stack: private redis-server + the bundled model + one worker")
+    EngineConfig.add_cli_args(up)
+    add_service_args(up, redis_default=None)
+    up.add_argument("--redis-port", type=int, default=None, help="port of the private redis-server (default: free)")
+    up.set_defaults(func=_cmd_up, log_level="WARNING")
+
+    from worker.cli_client import add_stats_args, add_submit_args, cmd_stats, cmd_submit
+
+    submit = sub.add_parser("submit", help="send a prompt and stream the answer to the terminal")
+    add_submit_args(submit)
+    submit.set_defaults(func=cmd_submit)
+    stats = sub.add_parser("stats", help="queue lengths and workers with their load")
+    add_stats_args(stats)
+    stats.set_defaults(func=cmd_stats)
+
+    bench = sub.add_parser("bench", help="benchmarks (from a source checkout: ops/bench)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
 
     model = sub.add_parser("model", help="prepare local model folders")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)

@@ -37,7 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory for weights, activations and KV")
     kv_cache_memory: int | None = _opt(
-        None, "KV cache bytes (CPU default: 2 GiB); overrides --gpu-memory-utilization", type=int
+        None, "KV cache bytes (CPU default: 1 GiB); overrides --gpu-memory-utilization", type=int
     )
     num_kv_blocks: int | None = _opt(None, "exact number of KV blocks (tests and benchmarks)")
     scheduling_policy: str = _opt("fcfs", "fcfs | priority (higher priority first, then arrival)")

@@ -20,7 +20,7 @@ from worker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, Samplin
 from worker.engine.scheduler import SchedulerOutput
 from worker.models.loader import LoadedModel
 
-CPU_DEFAULT_KV_BYTES = 2 << 30
+CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass

@@ -1,0 +1,114 @@
+"""`pagedq up` / `submit` / `stats` as a user runs them: real processes, Ctrl-C at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from worker.service.redis_proc import free_port
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant process of `pid`, from /proc (no extra dependency)."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cli(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_up_submit_stats_and_ctrl_c(llama_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "up", "--model", str(llama_dir), "--redis-port", str(port),
+         "--dtype", "float32", "--max-model-len", "256"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line and up.poll() is not None:
+                pytest.fail("pagedq up exited:\n" + "".join(lines))
+            lines.append(line)
+            if "point producers at" in line:
+                break
+        assert f"redis://127.0.0.1:{port}/0" in "".join(lines)
+        assert "KV cache" in "".join(lines) and "model loaded" in "".join(lines)  # progress was shown
+        state = json.loads((tmp_path / "cache" / "up.json").read_text())
+        assert state["redis_url"] == f"redis://127.0.0.1:{port}/0"
+
+        # submit finds the running stack by itself (no --redis-url) and streams text to stdout
+        done = _cli("submit", "Hello there", "--max-tokens", "12", "--json", env=env)
+        assert done.returncode == 0, done.stderr
+        records = [json.loads(x) for x in done.stdout.splitlines()]
+        final = records[-1]
+        assert final["finish_reason"] in ("length", "stop") and len(final["token_ids"]) <= 12
+        assert "".join(r["text"] for r in records[:-1]) == final["text"]
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(llama_dir)
+        assert final["text"] == tok.decode(final["token_ids"], skip_special_tokens=True)
+
+        plain = _cli("submit", "Hi", "--chat", "--max-tokens", "5", env=env)
+        assert plain.returncode == 0 and "tokens; ttft" in plain.stderr
+
+        stats = _cli("stats", "--json", env=env)
+        assert stats.returncode == 0, stats.stderr
+        info = json.loads(stats.stdout)
+        assert len(info["workers"]) == 1 and info["lanes"]["normal"] == 0
+
+        procs = _children(up.pid)
+        assert procs, "pagedq up should have a redis-server child"
+    finally:
+        up.send_signal(signal.SIGINT)
+        rc = up.wait(60)
+    assert rc == 0
+    time.sleep(0.2)
+    assert not [p for p in procs if _alive(p)], "processes left behind after Ctrl-C"
+    assert not (tmp_path / "cache" / "up.json").exists()
+    data_dir = next(x for x in lines if "data in" in x).split("data in ", 1)[1].rstrip(")\n")
+    assert not os.path.exists(data_dir), "the private redis data folder was left behind"
+
+
+def test_cli_help_and_errors():
+    env = {**os.environ}
+    out = _cli("--help", env=env)
+    assert out.returncode == 0 and "worker" in out.stdout and "up" in out.stdout
+    bad = _cli("worker", "--redis-url", "redis://127.0.0.1:1/0", env=env)
+    assert bad.returncode == 2 and "--model is required" in bad.stderr
+    missing = _cli("worker", "--model", "/nonexistent/model", "--redis-url", "redis://127.0.0.1:1/0", env=env)
+    assert missing.returncode != 0 and "does not exist" in missing.stderr
