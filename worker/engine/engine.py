@@ -36,6 +36,17 @@ class PromptTooLong(RequestError):
     code = "prompt_too_long"
 
 
+class StepFailed(RuntimeError):
+    """The forward of one step raised. `request_ids` were in that step (one of them may be a poison
+    request); `outputs` are what the step produced before it failed (deadlines, aborts). The engine is
+    still usable once the caller `discard`s or retries those requests."""
+
+    def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException) -> None:
+        super().__init__(f"engine step failed for {len(request_ids)} requests: {cause!r}")
+        self.request_ids = request_ids
+        self.outputs = outputs
+
+
 @dataclass
 class EngineStats:
     """Counters since start, and the last step's shape (the service turns them into metrics)."""
@@ -142,11 +153,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         resume: Seq[Seq[int]] | None = None,
+        isolated: bool = False,
     ) -> str:
         """Queue a request for the next step; returns its id. Raises `RequestError` if it cannot run.
 
         `resume` continues a request another worker started: per sample, the output tokens already
         delivered. They are recomputed as context (not sampled again) and count toward max_tokens.
+        `isolated` runs the request in steps of its own (a suspect after a failed step).
         """
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._auto_id)}"
@@ -182,6 +195,7 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         req.resume = [list(r) for r in resume] if resume is not None else None
+        req.isolated = isolated
         self._accepted.add(request_id)
         self._inbox.put(("add", req))
         return request_id
@@ -189,6 +203,17 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Seq[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             self._inbox.put(("abort", rid))
+
+    def discard(self, request_ids: Seq[str]) -> None:
+        """Drop requests at once, silently (no output), freeing their blocks. Engine thread only."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.finished:
+                    self.scheduler.finish(seq, SeqStatus.FINISHED_ABORTED)
+            self._accepted.discard(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._accepted) or not self._inbox.empty()
@@ -208,7 +233,11 @@ class LLMEngine:
             self._fail_unschedulable(outputs)
             return list(outputs.values())
         rows, forks = self._sample_rows(sched)
-        result = self.runner.execute(sched, rows, self.kv)
+        try:
+            result = self.runner.execute(sched, rows, self.kv)
+        except Exception as e:
+            ids = list(dict.fromkeys(s.seq.request.request_id for s in sched.scheduled))
+            raise StepFailed(ids, list(outputs.values()), e) from e
         self._advance(sched)
         for child, parent in forks:
             child.num_computed_tokens = parent.num_computed_tokens

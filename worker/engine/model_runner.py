@@ -8,6 +8,7 @@ that will be sampled, and samples.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,10 @@ from worker.engine.scheduler import SchedulerOutput
 from worker.models.loader import LoadedModel
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+
+# Fault injection for the chaos tests (off unless set): a forward whose batch holds this token id
+# raises, standing in for a request that crashes the model path.
+_POISON_TOKEN = os.environ.get("PAGEDQ_FAULT_POISON_TOKEN")
 
 
 @dataclass
@@ -143,6 +148,8 @@ class ModelRunner:
             pairs = torch.tensor(sched.block_copies, dtype=torch.long, device=self.device)
             copy_blocks([c for layer in self.kv_caches for c in layer], pairs)
         ids, positions, meta, last_rows = self._prepare(sched, kv)
+        if _POISON_TOKEN is not None and bool((ids == int(_POISON_TOKEN)).any()):
+            raise RuntimeError(f"fault injection: poison token {_POISON_TOKEN} in the batch")
         hidden = self.model(ids, positions, self.kv_caches, meta)
         if not rows:
             return None

@@ -148,6 +148,7 @@ class Request:
         self.forked = sampling_params.n == 1
         self.error: str | None = None  # why the engine gave up on it, when it did
         self.resume: list[list[int]] | None = None  # per sample, tokens a previous worker delivered
+        self.isolated = False  # scheduled in steps of its own (suspected of failing a step)
 
     @property
     def finished(self) -> bool:

@@ -142,13 +142,16 @@ class Scheduler:
         out = SchedulerOutput()
         # Victims of preemption are taken from the end: lowest priority, latest arrival.
         self.running.sort(key=lambda s: (*s.request.sort_key(self.config.policy), s.index))
+        # An isolated (suspect) request shares its steps with nobody.
+        isolated = any(s.request.isolated for s in self.running)
         if self.config.enable_chunked_prefill:
             budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-            if not out.preempted:
+            if not out.preempted and not isolated:
                 self._schedule_waiting(out, budget)
         else:
             # Prefill-only step when a new prompt can be admitted, decode-only step otherwise.
-            self._schedule_waiting(out, self.config.max_num_batched_tokens)
+            if not isolated:
+                self._schedule_waiting(out, self.config.max_num_batched_tokens)
             if out.is_empty:
                 self._schedule_running(out, self.config.max_num_batched_tokens)
         # One-token queries first: the attention kernels' decode fast path takes a prefix of the batch.
@@ -182,6 +185,8 @@ class Scheduler:
         cfg = self.config
         while len(self.waiting) and budget > 0:
             seq = self.waiting.peek()
+            if seq.request.isolated and (self.running or out.scheduled):
+                break
             seats = seq.request.sampling_params.n if not seq.request.forked else 1
             if len(self.running) + seats > cfg.max_num_seqs:
                 break
@@ -206,6 +211,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if seq.request.isolated:
+                break
         return budget
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

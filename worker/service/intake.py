@@ -34,6 +34,7 @@ from producer_sdk.protocol import (
     decode_event,
     decode_request,
     encode_event,
+    encode_request,
 )
 from worker.engine.engine import LLMEngine, RequestError
 from worker.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -237,7 +238,7 @@ class Intake:
             rec.next_seq, rec.attempt, rec.delivered = resume.next_seq, resume.attempt, resume.delivered
         self.inflight[req.request_id] = rec
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self._add_to_engine, rec)
+            await asyncio.get_running_loop().run_in_executor(None, self.add_to_engine, rec)
         except (RequestError, SamplingParamsError, ValueError) as err:
             self.inflight.pop(req.request_id, None)
             code = getattr(err, "code", "invalid_request")
@@ -245,7 +246,7 @@ class Intake:
             return
         self.wake_engine()
 
-    def _add_to_engine(self, rec: InFlight) -> None:
+    def add_to_engine(self, rec: InFlight, isolated: bool = False) -> None:
         """Runs in a thread: tokenizing a long prompt or rendering a chat must not stall the loop."""
         req = rec.request
         messages = [{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None
@@ -263,6 +264,7 @@ class Intake:
             deadline=req.deadline_ms / 1000 if req.deadline_ms is not None else None,
             arrival_time=min(arrival, time.time()) if arrival else None,
             resume=resume,
+            isolated=isolated,
         )
 
     # --- answers without compute --------------------------------------------------------------
@@ -309,6 +311,12 @@ class Intake:
         if request_id is not None and seq is not None:
             self.metrics.labels(self.metrics.requests_failed, code=code).inc()
         self.log.warning("dead-lettered", request_id=request_id, code=code, reason=message, entry=e.entry_id)
+
+    async def dead_letter_record(self, rec: InFlight, code: str, message: str) -> None:
+        """Dead-letter a request this worker had accepted (its payload re-encoded)."""
+        payload = encode_request(rec.request, limits=None)
+        entry = Entry(rec.lane, rec.stream, rec.entry_id, {ENTRY_DATA_FIELD.encode(): payload}, rec.deliveries)
+        await self._dead_letter(entry, rec.request_id, code, message, seq=rec.next_seq)
 
     # --- reclaim ------------------------------------------------------------------------------
 

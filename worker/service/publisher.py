@@ -11,6 +11,7 @@ generating; what piles up meanwhile goes out merged in the next flush.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from worker.service.metrics import WorkerMetrics
 from worker.service.scripts import PUBLISH
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+# Fault injection for the chaos tests (off unless set).
+_EXIT_BEFORE_FINAL = os.environ.get("PAGEDQ_FAULT_EXIT_BEFORE_FINAL_PUBLISH") == "1"
 
 
 @dataclass
@@ -166,6 +169,8 @@ class Publisher:
             built.append((p, len(events), final))
             keys_ += [p.rec.stream, keys.response_stream(p.rec.request_id)]
             args += [p.rec.entry_id, p.rec.max_events, int(final), len(events), *events]
+        if _EXIT_BEFORE_FINAL and any(final for _, _, final in built):
+            os._exit(137)  # fault injection: die between the engine step and the final write
         lost = await self._call_with_retry(keys_, args)
         lost_set = {int(i) - 1 for i in lost}
         for i, (p, n_events, final) in enumerate(built):

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from producer_sdk import keys
 from producer_sdk.protocol import DEFAULT_LIMITS, Limits
-from worker.engine.engine import LLMEngine
+from worker.engine.engine import LLMEngine, StepFailed
 from worker.service.control import HANDOVER_IDLE_MS, Control, every
 from worker.service.inflight import InFlight, InFlightTable
 from worker.service.intake import Intake
@@ -71,6 +71,7 @@ class WorkerService:
         self._engine_stop = threading.Event()
         self._engine_error: BaseException | None = None
         self._last_counts = (0, 0, 0, 0, 0)
+        self._background: set[asyncio.Task] = set()
         seqs = engine.scheduler_config.max_num_seqs
         self.headroom = config.intake_headroom if config.intake_headroom is not None else max(1, seqs // 8)
 
@@ -109,7 +110,13 @@ class WorkerService:
             t0 = time.perf_counter()
             try:
                 outputs = eng.step()
-            except BaseException as e:  # the loop reacts; the thread ends
+            except StepFailed as e:
+                eng.discard(e.request_ids)
+                if e.outputs:
+                    loop.call_soon_threadsafe(self.publisher.put, e.outputs)
+                loop.call_soon_threadsafe(self._step_failed, e.request_ids, repr(e.__cause__))
+                continue
+            except BaseException as e:  # not a request's fault: stop serving, hand everything over
                 self._engine_error = e
                 loop.call_soon_threadsafe(self.stopping.set)
                 return
@@ -135,6 +142,37 @@ class WorkerService:
         if st.last_step_tokens:
             m.labels(m.step_tokens).observe(st.last_step_tokens)
             m.labels(m.step_seconds).observe(seconds)
+
+    # --- a failed step -------------------------------------------------------------------------
+
+    def _step_failed(self, request_ids: list[str], error: str) -> None:
+        self.log.error("engine step failed", request_ids=request_ids, error=error)
+        task = asyncio.create_task(self._retry_or_dead_letter(request_ids, error))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _retry_or_dead_letter(self, request_ids: list[str], error: str) -> None:
+        """Each request of a failed step runs again alone, from the tokens already delivered; one that
+        keeps failing (the poison) is dead-lettered once its deliveries reach max_deliveries."""
+        await self.publisher.wait_idle()  # `delivered` must include everything already published
+        for rid in request_ids:
+            rec = self.inflight.get(rid)
+            if rec is None or not rec.live:
+                continue
+            rec.engine_failures += 1
+            if rec.deliveries + rec.engine_failures > self.config.max_deliveries:
+                self.inflight.pop(rid, None)
+                msg = f"the engine failed on this request {rec.engine_failures} times: {error}"
+                await self.intake.dead_letter_record(rec, "engine_error", msg)
+                self.intake.capacity_changed.set()
+                continue
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.intake.add_to_engine, rec, True)
+            except Exception as e:
+                self.inflight.pop(rid, None)
+                await self.intake.dead_letter_record(rec, "engine_error", f"cannot retry: {e}")
+                self.intake.capacity_changed.set()
+        self.wake_engine()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
