@@ -71,11 +71,20 @@ def add_service_args(parser: argparse.ArgumentParser, redis_default: str | None 
         help="seconds a response stream is kept after its last event",
     )
     g.add_argument(
+        "--arq-queue",
+        default=_env("arq_queue"),
+        help="also serve pagedq_generate jobs of this arq queue (pip install 'pagedq[arq]')",
+    )
+    g.add_argument(
         "--threads", type=int, default=int(_env("threads", 0)), help="CPU threads for torch (default: torch's choice)"
     )
     g.add_argument("--log-level", default=_env("log_level", "INFO"))
-    g.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
-                   help="JSON log lines (default: JSON unless stderr is a terminal)")  # fmt: skip
+    g.add_argument(
+        "--log-json",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="JSON log lines (default: JSON unless stderr is a terminal)",
+    )
 
 
 def service_config(args: argparse.Namespace, redis_url: str):
@@ -93,6 +102,7 @@ def service_config(args: argparse.Namespace, redis_url: str):
         max_deliveries=args.max_deliveries,
         result_ttl_s=args.result_ttl,
         metrics_port=args.metrics_port,
+        arq_queue=getattr(args, "arq_queue", None),
     )
 
 
@@ -124,8 +134,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except (ConfigError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    log.info("model loaded", kv_blocks=engine.kv.num_blocks, block_size=engine.kv.block_size,
-             max_model_len=engine.max_model_len, dtype=str(engine.runner.dtype))  # fmt: skip
+    log.info(
+        "model loaded",
+        kv_blocks=engine.kv.num_blocks,
+        block_size=engine.kv.block_size,
+        max_model_len=engine.max_model_len,
+        dtype=str(engine.runner.dtype),
+    )
     service = WorkerService(engine, service_config(args, args.redis_url))
     return asyncio.run(service.run())
 

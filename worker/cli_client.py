@@ -71,12 +71,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"\nerror: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({
-            "request_id": result.request_id, "finish_reason": result.finish_reason, "text": result.text,
-            "token_ids": result.token_ids, "usage": {"prompt_tokens": result.usage.prompt_tokens,
-            "completion_tokens": result.usage.completion_tokens, "cached_tokens": result.usage.cached_tokens},
-            "ttft_s": first, "worker": result.worker,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "request_id": result.request_id,
+                    "finish_reason": result.finish_reason,
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "usage": {
+                        "prompt_tokens": result.usage.prompt_tokens,
+                        "completion_tokens": result.usage.completion_tokens,
+                        "cached_tokens": result.usage.cached_tokens,
+                    },
+                    "ttft_s": first,
+                    "worker": result.worker,
+                }
+            )
+        )
     else:
         n = result.usage.completion_tokens
         print(

@@ -19,8 +19,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     tr = terminalreporter
     tr.section("chaos table")
-    head = f"{'fault':<40} {'requests':>8} {'completed':>9} {'errored':>7} {'lost':>4} {'dup tokens':>10} " \
-           f"{'wrong':>5} {'recovery s':>10}"  # fmt: skip
+    head = (
+        f"{'fault':<40} {'requests':>8} {'completed':>9} {'errored':>7} {'lost':>4} {'dup tokens':>10} "
+        f"{'wrong':>5} {'recovery s':>10}"
+    )
     tr.write_line(head)
     for r in rows:
         tr.write_line(

@@ -55,8 +55,9 @@ def raw_events(url: str, request_id: str) -> list:
         r.close()
 
 
-def score(outcome: Outcome, url: str, ids: list[str], expected: dict[str, list[int]],
-          streamed: dict[str, list[int]]) -> Outcome:  # fmt: skip
+def score(
+    outcome: Outcome, url: str, ids: list[str], expected: dict[str, list[int]], streamed: dict[str, list[int]]
+) -> Outcome:
     for rid in ids:
         events = raw_events(url, rid)
         seqs = [e.seq for e in events]
@@ -130,5 +131,6 @@ async def wait_for(cond, timeout: float, what: str) -> None:
 
 
 def worker(model_dir, url: str, name: str, *args: str, env: dict | None = None) -> WorkerProc:
-    return WorkerProc(model_dir, url, "--claim-idle-ms", "1500", "--max-num-seqs", "64", *args, name=name,
-                      metrics=False, env=env)  # fmt: skip
+    return WorkerProc(
+        model_dir, url, "--claim-idle-ms", "1500", "--max-num-seqs", "64", *args, name=name, metrics=False, env=env
+    )

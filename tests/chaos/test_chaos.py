@@ -33,8 +33,9 @@ def reference(llama_dir):
     rng = random.Random(11)
     prompts = {f"chaos-{i:04d}": [rng.randrange(5, 500) for _ in range(rng.randint(3, 40))] for i in range(60)}
     llm = LLM(model=str(llama_dir), dtype="float32", device="cpu")
-    outs = llm.generate(list(prompts.values()), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)  # fmt: skip
+    outs = llm.generate(
+        list(prompts.values()), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+    )
     return {rid: (p, o.outputs[0].token_ids) for (rid, p), o in zip(prompts.items(), outs, strict=True)}
 
 
@@ -116,8 +117,9 @@ def test_redis_restart_mid_run(llama_dir, aof_redis, reference):
         asyncio.run(traffic.run(during))
     finally:
         w.stop()
-    o = score(Outcome("redis-server SIGKILL + restart (AOF)", len(prompts)), url, list(prompts), expected,
-              traffic.streamed)  # fmt: skip
+    o = score(
+        Outcome("redis-server SIGKILL + restart (AOF)", len(prompts)), url, list(prompts), expected, traffic.streamed
+    )
     o.recovery_s = round(max(traffic.finished_at.values()) - fault_at, 2)
     _assert_clean(o.record())
     assert not traffic.errors, traffic.errors
@@ -146,8 +148,9 @@ def test_client_connections_cut_mid_stream(llama_dir, aof_redis, reference):
         asyncio.run(traffic.run(during))
     finally:
         w.stop()
-    o = score(Outcome("CLIENT KILL readers mid-stream (x3)", len(prompts)), url, list(prompts), expected,
-              traffic.streamed)  # fmt: skip
+    o = score(
+        Outcome("CLIENT KILL readers mid-stream (x3)", len(prompts)), url, list(prompts), expected, traffic.streamed
+    )
     o.recovery_s = round(max(traffic.finished_at.values()) - fault_at, 2)
     _assert_clean(o.record())
     assert not traffic.errors, traffic.errors
@@ -216,8 +219,9 @@ def test_poison_request_is_dead_lettered_and_the_worker_keeps_serving(llama_dir,
     poison_token = next(t for t in range(5, 512) if t not in seen)  # only the poison request holds it
     prompts["poison-0001"] = [3, 4, poison_token, 5]
     url = aof_redis.url
-    w = worker(llama_dir, url, "sturdy", "--max-deliveries", "3",
-               env={"PAGEDQ_FAULT_POISON_TOKEN": str(poison_token)}).start()  # fmt: skip
+    w = worker(
+        llama_dir, url, "sturdy", "--max-deliveries", "3", env={"PAGEDQ_FAULT_POISON_TOKEN": str(poison_token)}
+    ).start()
     traffic = Traffic(url, prompts, MAX_TOKENS)
 
     async def during():
@@ -228,8 +232,9 @@ def test_poison_request_is_dead_lettered_and_the_worker_keeps_serving(llama_dir,
         assert w.proc.poll() is None, "the worker died"
     finally:
         w.stop()
-    o = score(Outcome("poison request (max_deliveries=3)", len(prompts)), url, list(prompts), expected,
-              traffic.streamed)  # fmt: skip
+    o = score(
+        Outcome("poison request (max_deliveries=3)", len(prompts)), url, list(prompts), expected, traffic.streamed
+    )
     events = raw_events(url, "poison-0001")
     assert isinstance(events[-1], Error) and events[-1].code == "engine_error"
     r = redis.Redis.from_url(url)
@@ -260,12 +265,16 @@ def test_sigterm_hands_unfinished_work_over(llama_dir, aof_redis, reference):
     finally:
         leaving.stop()
         staying.stop()
-    o = score(Outcome("SIGTERM with short drain: handover", len(prompts)), url, list(prompts), expected,
-              traffic.streamed)  # fmt: skip
+    o = score(
+        Outcome("SIGTERM with short drain: handover", len(prompts)), url, list(prompts), expected, traffic.streamed
+    )
     o.recovery_s = round(max(traffic.finished_at.values()) - fault_at, 2)
     llm = LLM(model=str(llama_dir), dtype="float32", device="cpu")
-    outs = llm.generate(list(prompts.values()), SamplingParams(temperature=0, max_tokens=MAX_TOKENS * 3,
-                                                               ignore_eos=True), use_tqdm=False)  # fmt: skip
+    outs = llm.generate(
+        list(prompts.values()),
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS * 3, ignore_eos=True),
+        use_tqdm=False,
+    )
     o.wrong = sum(traffic.streamed[rid] != out.outputs[0].token_ids for rid, out in zip(prompts, outs, strict=True))
     _assert_clean(o.record())
     assert o.completed == len(prompts)

@@ -43,8 +43,9 @@ def _alive(pid: int) -> bool:
 
 
 def _cli(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 @pytest.mark.slow
@@ -52,10 +53,25 @@ def test_up_submit_stats_and_ctrl_c(llama_dir, tmp_path):
     port = free_port()
     env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "up", "--model", str(llama_dir), "--redis-port", str(port),
-         "--dtype", "float32", "--max-model-len", "256"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "up",
+            "--model",
+            str(llama_dir),
+            "--redis-port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120

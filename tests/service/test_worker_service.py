@@ -72,8 +72,10 @@ def test_200_requests_match_the_offline_engine(llama_dir, redis_url, worker, pro
 def test_late_reader_reads_everything(redis_url, worker):
     with Client(redis_url) as client:
         handle = client.submit("late reader", max_tokens=12, temperature=0, ignore_eos=True)
-        wait_until(lambda: any(isinstance(e, Finished) for e in response_events(redis_url, handle.request_id)),
-                   what="the request to finish")  # fmt: skip
+        wait_until(
+            lambda: any(isinstance(e, Finished) for e in response_events(redis_url, handle.request_id)),
+            what="the request to finish",
+        )
         chunks = list(client.handle(handle.request_id).stream())
         assert sum(len(c.token_ids) for c in chunks) == 12
         again = client.handle(handle.request_id).result()
@@ -83,8 +85,7 @@ def test_late_reader_reads_everything(redis_url, worker):
 def test_cancel_mid_generation_frees_blocks(redis_url, worker):
     with Client(redis_url) as client:
         handle = client.submit("cancel me", max_tokens=100_000, temperature=0, ignore_eos=True)
-        wait_until(lambda: len(tokens_of(response_events(redis_url, handle.request_id))) >= 3,
-                   what="tokens to flow")  # fmt: skip
+        wait_until(lambda: len(tokens_of(response_events(redis_url, handle.request_id))) >= 3, what="tokens to flow")
         handle.cancel()
         with pytest.raises(Cancelled):
             handle.result(timeout=30)
@@ -194,8 +195,10 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(llama_dir, redis_url):
     w = WorkerProc(llama_dir, redis_url, "--drain-timeout", "60", metrics=False).start()
     with Client(redis_url) as client:
         handles = [client.submit(f"drain {i}", max_tokens=30, temperature=0, ignore_eos=True) for i in range(5)]
-        wait_until(lambda: all(tokens_of(response_events(redis_url, h.request_id)) for h in handles),
-                   what="all requests to be running")  # fmt: skip
+        wait_until(
+            lambda: all(tokens_of(response_events(redis_url, h.request_id)) for h in handles),
+            what="all requests to be running",
+        )
         w.signal(15)
         for h in handles:
             assert len(h.result(timeout=60).token_ids) == 30
@@ -258,3 +261,64 @@ def test_prometheus_metrics_are_served(redis_url, worker):
     assert worker.metric("pagedq_time_to_first_token_seconds_count") >= 1
     assert worker.metric("pagedq_e2e_request_latency_seconds_count") >= 1
     assert time.time() > 0
+
+
+def test_sdk_against_a_real_worker_chat_timeout_queue_full(llama_dir, redis_url):
+    from producer_sdk.errors import QueueFull, RequestTimeout
+
+    w = WorkerProc(llama_dir, redis_url, "--max-queue-len", "2", "--max-num-seqs", "8", metrics=False).start()
+    try:
+        with Client(redis_url) as client:
+            chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+            res = client.generate(messages=chat, max_tokens=8, temperature=0)
+            llm = LLM(model=str(llama_dir), dtype="float32", device="cpu")
+            offline = llm.chat(chat, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+            assert res.token_ids == offline.outputs[0].token_ids
+            assert res.usage.prompt_tokens == len(offline.prompt_token_ids)
+
+            with pytest.raises(RequestTimeout):
+                client.generate("slow one", max_tokens=100_000, ignore_eos=True, timeout=0.5, cancel_on_timeout=True)
+            wait_until(lambda: client.queue_stats().lanes["normal"] == 0, what="the timed-out request to be cancelled")
+
+            long = [client.submit(f"long {i}", max_tokens=100_000, ignore_eos=True) for i in range(2)]
+            with pytest.raises(QueueFull):
+                client.submit("one too many", max_tokens=4)
+            for h in long:
+                h.cancel()
+                with pytest.raises(Cancelled):
+                    h.result(timeout=30)
+            assert client.generate("room again", max_tokens=3, ignore_eos=True).finish_reason == "length"
+    finally:
+        w.stop()
+
+
+def test_arq_bridge_through_a_real_worker(llama_dir, redis_url):
+    from arq.connections import RedisSettings, create_pool
+
+    from producer_sdk.arq_bridge import enqueue_generation
+
+    w = WorkerProc(llama_dir, redis_url, "--arq-queue", "pagedq:arq:it", metrics=False).start()
+
+    async def main():
+        pool = await create_pool(RedisSettings.from_dsn(redis_url))
+        try:
+            jobs = [
+                await enqueue_generation(
+                    pool, queue_name="pagedq:arq:it", prompt=f"arq {i}", max_tokens=6, temperature=0, ignore_eos=True
+                )
+                for i in range(3)
+            ]
+            return [await j.result(timeout=60) for j in jobs]
+        finally:
+            await pool.aclose()
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        w.stop()
+    llm = LLM(model=str(llama_dir), dtype="float32", device="cpu")
+    offline = llm.generate(
+        [f"arq {i}" for i in range(3)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
+    assert [r["token_ids"] for r in results] == [o.outputs[0].token_ids for o in offline]
+    assert all(r["finish_reason"] == "length" and r["worker"] == "w1" for r in results)

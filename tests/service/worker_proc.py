@@ -22,15 +22,37 @@ from worker.service.redis_proc import free_port
 class WorkerProc:
     """One worker process; `start()` returns once it heartbeats (model loaded, serving)."""
 
-    def __init__(self, model_dir, redis_url: str, *args: str, name: str = "w1", model: str = "default",
-                 metrics: bool = True, env: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir,
+        redis_url: str,
+        *args: str,
+        name: str = "w1",
+        model: str = "default",
+        metrics: bool = True,
+        env: dict | None = None,
+    ) -> None:
         self.name, self.redis_url, self.model = name, redis_url, model
         self.metrics_port = free_port() if metrics else None
         self.cmd = [
-            sys.executable, "-m", "worker.cli", "worker",
-            "--model", str(model_dir), "--redis-url", redis_url, "--model-name", model,
-            "--consumer", name, "--dtype", "float32", "--device", "cpu", "--log-json",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "worker",
+            "--model",
+            str(model_dir),
+            "--redis-url",
+            redis_url,
+            "--model-name",
+            model,
+            "--consumer",
+            name,
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--log-json",
+        ]
         if self.metrics_port:
             self.cmd += ["--metrics-port", str(self.metrics_port)]
         self.cmd += list(args)

@@ -181,9 +181,7 @@ def test_stats_and_waste():
 def test_blocks_for_bytes():
     per_block = 2 * 30 * 3 * 64 * 2 * 16
     assert (
-        blocks_for_bytes(
-            per_block * 7 + 5, num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=2, block_size=16
-        )
+        blocks_for_bytes(per_block * 7 + 5, num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=2, block_size=16)
         == 7
     )
 

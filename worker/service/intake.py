@@ -287,8 +287,12 @@ class Intake:
         pipe = self.redis.pipeline(transaction=True)
         if request_id is not None and seq is not None:
             resp = keys.response_stream(request_id)
-            pipe.xadd(resp, {EVENT_FIELD: encode_event(Error(seq=seq, code=code, message=message))},
-                      maxlen=1000, approximate=True)  # fmt: skip
+            pipe.xadd(
+                resp,
+                {EVENT_FIELD: encode_event(Error(seq=seq, code=code, message=message))},
+                maxlen=1000,
+                approximate=True,
+            )
             pipe.pexpire(resp, self.ttl_ms)
         pipe.xadd(
             keys.dead_letters(self.model),
@@ -363,8 +367,12 @@ class Intake:
                 await self._dead_letter(e, rid, "max_deliveries", msg, seq=resume.next_seq)
                 continue
             self.metrics.labels(self.metrics.reclaimed).inc()
-            self.log.info("resuming request", request_id=rid, attempt=resume.attempt,
-                          delivered=sum(len(d) for d in resume.delivered))  # fmt: skip
+            self.log.info(
+                "resuming request",
+                request_id=rid,
+                attempt=resume.attempt,
+                delivered=sum(len(d) for d in resume.delivered),
+            )
             resumes[e.entry_id] = resume
             admit.append(e)
         if admit:

@@ -49,6 +49,7 @@ class ServiceConfig:
     result_ttl_s: int = 24 * 3600
     intake_headroom: int | None = None  # entries pulled beyond free sequence slots
     metrics_port: int | None = None
+    arq_queue: str | None = None  # also serve pagedq_generate jobs of this arq queue
     limits: Limits = field(default_factory=lambda: DEFAULT_LIMITS)
 
     def __post_init__(self) -> None:
@@ -127,8 +128,13 @@ class WorkerService:
     def _record_step(self, seconds: float) -> None:
         eng, m = self.engine, self.metrics
         st, kv = eng.stats, eng.kv
-        counts = (st.prompt_tokens, st.generation_tokens, st.num_preemptions, kv.prefix_queries_tokens,
-                  kv.prefix_hits_tokens)  # fmt: skip
+        counts = (
+            st.prompt_tokens,
+            st.generation_tokens,
+            st.num_preemptions,
+            kv.prefix_queries_tokens,
+            kv.prefix_hits_tokens,
+        )
         last = self._last_counts
         for metric, now, before in zip(
             (m.prompt_tokens, m.generation_tokens, m.preemptions, m.prefix_queries, m.prefix_hits),
@@ -183,21 +189,43 @@ class WorkerService:
         self.blocking_redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=None)
         ttl_ms = cfg.result_ttl_s * 1000
         self.intake = Intake(
-            self.redis, self.blocking_redis, self.engine, self.inflight,
-            model=self.model, consumer=self.consumer, limits=cfg.limits, ttl_ms=ttl_ms,
-            metrics=self.metrics, capacity=self.capacity, wake_engine=self.wake_engine,
-        )  # fmt: skip
+            self.redis,
+            self.blocking_redis,
+            self.engine,
+            self.inflight,
+            model=self.model,
+            consumer=self.consumer,
+            limits=cfg.limits,
+            ttl_ms=ttl_ms,
+            metrics=self.metrics,
+            capacity=self.capacity,
+            wake_engine=self.wake_engine,
+        )
         self.publisher = Publisher(
-            self.redis, self.inflight,
-            model=self.model, group=keys.group(self.model), consumer=self.consumer, ttl_ms=ttl_ms,
-            metrics=self.metrics, on_lost=self._on_lost, on_done=self._on_done,
-        )  # fmt: skip
+            self.redis,
+            self.inflight,
+            model=self.model,
+            group=keys.group(self.model),
+            consumer=self.consumer,
+            ttl_ms=ttl_ms,
+            metrics=self.metrics,
+            on_lost=self._on_lost,
+            on_done=self._on_done,
+        )
         self.control = Control(
-            self.redis, self.engine, self.inflight, self.intake,
-            model=self.model, consumer=self.consumer, metrics=self.metrics, claim_idle_ms=cfg.claim_idle_ms,
-            max_deliveries=cfg.max_deliveries, heartbeat_interval_s=cfg.heartbeat_interval_s,
-            capacity=self.capacity, on_lost=self._on_lost,
-        )  # fmt: skip
+            self.redis,
+            self.engine,
+            self.inflight,
+            self.intake,
+            model=self.model,
+            consumer=self.consumer,
+            metrics=self.metrics,
+            claim_idle_ms=cfg.claim_idle_ms,
+            max_deliveries=cfg.max_deliveries,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            capacity=self.capacity,
+            on_lost=self._on_lost,
+        )
         loop = asyncio.get_running_loop()
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -218,6 +246,7 @@ class WorkerService:
             asyncio.create_task(every(cfg.summary_interval_s, c.summary, self.log, "summary"), name="summary"),
             asyncio.create_task(every(2.0, c.sweep_cancels, self.log, "cancel sweep"), name="sweep"),
         ]
+        arq_worker = self._start_arq(tasks) if cfg.arq_queue else None
         self.log.info(
             "worker started",
             redis=_redact(cfg.redis_url),
@@ -226,6 +255,10 @@ class WorkerService:
             kv_blocks=self.engine.kv.num_blocks,
         )
         await self.stopping.wait()
+        if arq_worker is not None:
+            # Jobs still waiting are retried by arq elsewhere; they resubmit the same request id,
+            # so they follow the request already running instead of starting it again.
+            await arq_worker.close()
         tasks[1].cancel()  # intake: stop pulling first
         for t in tasks[4:5]:  # and stop reclaiming
             t.cancel()
@@ -254,9 +287,23 @@ class WorkerService:
 
     def stop(self) -> None:
         if not self.stopping.is_set():
-            self.log.info("stopping: draining in-flight requests", in_flight=len(self.inflight),
-                          drain_timeout_s=self.config.drain_timeout)  # fmt: skip
+            self.log.info(
+                "stopping: draining in-flight requests",
+                in_flight=len(self.inflight),
+                drain_timeout_s=self.config.drain_timeout,
+            )
             self.stopping.set()
+
+    def _start_arq(self, tasks: list[asyncio.Task]):
+        from arq.worker import Worker
+
+        from producer_sdk.arq_bridge import arq_worker_settings
+
+        settings = arq_worker_settings(self.config.redis_url, self.model, self.config.arq_queue)
+        arq_worker = Worker(**settings, handle_signals=False)
+        tasks.append(asyncio.create_task(arq_worker.async_run(), name="arq"))
+        self.log.info("serving arq queue", queue=self.config.arq_queue)
+        return arq_worker
 
     async def _connect(self) -> None:
         delay = 0.1
@@ -315,8 +362,9 @@ class WorkerService:
             await self.publisher.wait_idle()
             await self.control.renew(HANDOVER_IDLE_MS, left)
         except REDIS_DOWN as e:
-            self.log.warning("handover: redis unavailable; entries will be reclaimed after the idle timeout",
-                             error=str(e))  # fmt: skip
+            self.log.warning(
+                "handover: redis unavailable; entries will be reclaimed after the idle timeout", error=str(e)
+            )
 
 
 def _redact(url: str) -> str:
