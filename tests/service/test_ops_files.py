@@ -151,9 +151,23 @@ def exposed_sample_names(text: str) -> set[str]:
 
 
 _PROMQL_KEYWORDS = frozenset(
-    {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset",
-     "inf", "nan", "atan2"}
-)  # fmt: skip
+    {
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "inf",
+        "nan",
+        "atan2",
+    }
+)
 _TOKEN = re.compile(r"(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)|(?P<ident>[A-Za-z_:][\w:]*)")
 
 
