@@ -49,7 +49,7 @@ chaos: setup
 	$(PY) -m pytest -q -m chaos tests/chaos
 
 soak: setup
-	$(PY) -m ops.bench.soak
+	$(PY) -m tests.chaos.soak
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
