@@ -136,3 +136,16 @@ def test_rejects_bad_partition_size():
     case = make_case([20], [1], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16)
     with pytest.raises(ValueError, match="partition_size"):
         _triton(case, partition_size=48)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_strided_out(backend):
+    """`out` may be a view (say, part of a bigger buffer): rows and heads are written through strides."""
+    case = make_case([30, 70], [1, 25], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=11)
+    big = torch.full((case.query.shape[0], 6, 64), float("nan"))
+    out = big[:, 1:5]
+    with use_backend(backend):
+        got = paged_attention(case.query, case.k_cache, case.v_cache, case.meta, scale=case.scale, out=out)
+    assert got is out
+    _check(case, got)
+    assert big[:, 0].isnan().all() and big[:, 5].isnan().all()
