@@ -284,3 +284,12 @@ def test_resume_of_parallel_samples_keeps_finished_ones_finished(engine):
     assert a.token_ids == [8, 9, eos] and a.finish_reason == "stop"
     assert b.token_ids[:1] == [10] and b.finish_reason in ("length", "stop")
     assert_clean(engine)
+
+
+def test_extreme_seeds_with_parallel_samples(engine):
+    """Found by fuzzing: seed + sample index overflowed the generator's 64-bit range."""
+    for seed in (2**64 - 1, -(2**63)):
+        engine.add_request(f"s{seed}", prompt="x", params=SamplingParams(n=2, seed=seed, max_tokens=3))
+    finals = drain(engine)
+    assert all(len(c.token_ids) == 3 for o in finals.values() for c in o.outputs)
+    assert_clean(engine)

@@ -257,7 +257,12 @@ class LLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._admit(arg, outputs)
+                try:
+                    self._admit(arg, outputs)
+                except Exception as e:  # a request that cannot even start must not stop the engine
+                    arg.error = f"request cannot start: {e!r}"
+                    self.requests[arg.request_id] = arg
+                    self._finish_request(arg, SeqStatus.FINISHED_ABORTED, outputs)
             elif kind == "abort" and arg in self.requests:
                 self._finish_request(self.requests[arg], SeqStatus.FINISHED_ABORTED, outputs)
 
@@ -280,7 +285,7 @@ class LLMEngine:
         for k, delivered in enumerate(req.resume or []):
             seq = Sequence(f"{req.request_id}#{k}", req, list(req.prompt_token_ids), index=k)
             req.seqs.append(seq)
-            self._equip(seq, None if p.seed is None else p.seed + k)
+            self._equip(seq, None if p.seed is None else (p.seed + k) % 2**64)
             status = None
             for token in delivered:
                 seq.token_ids.append(token)
@@ -333,7 +338,7 @@ class LLMEngine:
                 seed = req.sampling_params.seed
                 for k in range(1, req.sampling_params.n):
                     child = Sequence(f"{req.request_id}#{k}", req, list(s.seq.token_ids), index=k)
-                    self._equip(child, None if seed is None else seed + k)
+                    self._equip(child, None if seed is None else (seed + k) % 2**64)
                     req.seqs.append(child)
                     rows.append(SampleRow(i, child))
                     forks.append((child, s.seq))
