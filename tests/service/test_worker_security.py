@@ -1,0 +1,95 @@
+"""Security against a real worker: tenants isolated by the ACL users ops/README.md documents, and TLS."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+
+from producer_sdk import Client, PermissionDenied
+from tests.service.worker_proc import WorkerProc
+from worker.service.redis_proc import RedisProcess, free_port
+
+README = Path(__file__).resolve().parents[2] / "ops" / "README.md"
+
+
+def documented_acl(user: str) -> list[str]:
+    """The `ACL SETUSER <user> ...` command of ops/README.md, as arguments."""
+    text = README.read_text()
+    start = text.index(f"ACL SETUSER {user} ")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.rstrip("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    return shlex.split(" ".join(lines))[2:]  # drop "ACL SETUSER"
+
+
+@pytest.fixture
+def acl(redis_url):
+    admin = redis.Redis.from_url(redis_url)
+    parts = urlsplit(redis_url)
+
+    def user(template: str, name: str, password: str, **replace: str) -> str:
+        args = documented_acl(template)
+        args = [a.replace(template, name) if a.startswith("~") or a.startswith("&") else a for a in args]
+        for old, new in replace.items():
+            args = [a.replace(old, new) for a in args]
+        args = [f">{password}" if a.startswith(">") else a for a in args]
+        admin.execute_command("ACL", "SETUSER", name, *args[1:])
+        return f"redis://{name}:{password}@{parts.hostname}:{parts.port}/0"
+
+    yield user
+    for name in admin.execute_command("ACL", "USERS"):
+        if name not in (b"default", "default"):
+            admin.execute_command("ACL", "DELUSER", name)
+    admin.close()
+
+
+def test_documented_acls_isolate_tenants(llama_dir, redis_url, acl):
+    worker_url = acl("pagedq-worker", "pagedq-worker", "worker-pw")
+    tenant_a = acl("tenant-a", "tenant-a", "pw-a")
+    tenant_b = acl("tenant-a", "tenant-b", "pw-b")
+    w = WorkerProc(llama_dir, worker_url, model="tenant-a", metrics=False).start()
+    try:
+        with Client(tenant_a, model="tenant-a") as a:
+            res = a.generate("hello from a", max_tokens=5, temperature=0, ignore_eos=True, timeout=60)
+            assert res.finish_reason == "length" and len(res.token_ids) == 5
+        with Client(tenant_b, model="tenant-a") as b, pytest.raises(PermissionDenied):
+            b.submit("b writes into a's queue", max_tokens=5)
+        raw_b = redis.Redis.from_url(tenant_b)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            raw_b.scan(0)  # request ids cannot be listed
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            raw_b.keys("pagedq:*")
+        raw_b.close()
+    finally:
+        w.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_worker_and_sdk_over_tls(llama_dir, tmp_path):
+    from tests.service.test_sdk_auth import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    tls_port = free_port()
+    args = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    args += ["--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+    try:  # the plain port only serves the fixture's readiness check; everything below uses TLS
+        server = RedisProcess(data_dir=tmp_path / "data", extra_args=args).start()
+    except RuntimeError as e:  # a redis-server built without TLS
+        pytest.skip(f"redis-server has no TLS support: {e}")
+    url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
+    w = WorkerProc(llama_dir, url, metrics=False)
+    try:
+        w.start()
+        with Client(f"rediss://127.0.0.1:{tls_port}/0", ssl_ca_certs=str(cert)) as client:
+            res = client.generate("over TLS", max_tokens=4, temperature=0, ignore_eos=True, timeout=60)
+        assert len(res.token_ids) == 4 and res.worker == "w1"
+    finally:
+        w.stop()
+        server.cleanup()
