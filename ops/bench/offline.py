@@ -1,0 +1,471 @@
+"""Offline throughput: the same requests through pagedq's `LLM` and three transformers baselines.
+
+Systems (each run in a fresh subprocess, model load and a warm-up excluded from the timing, peak RSS
+from `getrusage` in that subprocess, `torch.set_num_threads(threads)`):
+
+    pagedq      worker.LLM, greedy, ignore_eos, KV pool sized to hold the whole workload
+    hf-single   transformers `generate`, one request at a time (on a deterministic subset when
+                `--single-requests` is below `--requests`: it is the slow one)
+    hf-static   transformers `generate`, batches of 16 in arrival order, left padding
+    hf-cb       transformers continuous batching (the `generate_batch` engine), tuned sizes
+    matmul      a 2048^3 `linear` in the same dtype and threads: the hardware ceiling
+
+Systems run round-robin inside each repeat, so slow drifts of a shared machine hit all of them; each
+ratio is pagedq's throughput over the other's in the same repeat, and the median over repeats is
+quoted. Greedy agreement: the fraction of requests with identical token ids, and the mean length of
+the common prefix.
+
+    python -m ops.bench.offline --child SPEC.json     (internal: one measurement)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ops.bench.report import Progress, median
+from ops.bench.workloads import Workload, make_workload, mean_context, warmup_requests
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEMS = ("pagedq", "hf-single", "hf-static", "hf-cb")
+BLOCK_SIZE = 16
+
+
+# --- models ----------------------------------------------------------------------------------------
+
+
+def resolve_model(name: str, quick: bool = False) -> Path:
+    """A model folder from `--model`: a path, "smollm2" (prepared once), or "tiny" (a random-weight
+    Llama built once under the pagedq cache). Default: tiny in quick mode, SmolLM2 otherwise."""
+    name = name or ("tiny" if quick else "smollm2")
+    if name == "smollm2":
+        from worker.models.prepare import prepare
+
+        return prepare("smollm2")
+    if name == "tiny":
+        from worker.models.prepare import cache_root
+        from worker.models.tiny import build_tiny_model
+
+        out = cache_root().parent / "bench" / "tiny-llama"
+        if not (out / "config.json").exists():
+            build_tiny_model("llama", out, seed=0)
+        return out
+    path = Path(name).expanduser()
+    if not (path / "config.json").exists():
+        raise SystemExit(f"--model {name}: no config.json there (give a folder, 'smollm2' or 'tiny')")
+    return path
+
+
+def model_info(model_dir: str | Path) -> dict[str, Any]:
+    """Shape numbers of a Llama-family config.json, and its matmul parameter counts."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    nh = c["num_attention_heads"]
+    nkv = c.get("num_key_value_heads") or nh
+    hd = c.get("head_dim") or h // nh
+    inter, vocab = c["intermediate_size"], c["vocab_size"]
+    per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * inter
+    return {
+        "name": c.get("_name_or_path") or Path(model_dir).name,
+        "folder": Path(model_dir).name,
+        "model_type": c.get("model_type"),
+        "hidden_size": h,
+        "layers": layers,
+        "heads": nh,
+        "kv_heads": nkv,
+        "head_dim": hd,
+        "vocab_size": vocab,
+        # Prompt ids are drawn below this: the model's vocabulary, or the tokenizer's if smaller (a
+        # random-weight model may carry a borrowed tokenizer).
+        "prompt_vocab": min(vocab, _tokenizer_size(model_dir) or vocab),
+        "max_model_len": c.get("max_position_embeddings") or 2048,
+        "matmul_params_layers": layers * per_layer,
+        "matmul_params_lm_head": h * vocab,
+        "kv_bytes_per_token_bf16": 2 * layers * nkv * hd * 2,
+    }
+
+
+def _tokenizer_size(model_dir: str | Path) -> int | None:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+
+
+def model_flops(info: dict, workload: Workload) -> float:
+    """Useful FLOPs to run the workload: every position through the layers (2 per matmul parameter,
+    plus causal attention QK^T and PV over its context), and the LM head once per sampled token."""
+    attn = 4 * info["layers"] * info["heads"] * info["head_dim"]
+    total = 0.0
+    for r in workload.requests:
+        n = len(r.prompt) + r.max_tokens - 1  # positions run; the last sampled token is never fed back
+        total += 2 * info["matmul_params_layers"] * n + attn * n * (n + 1) / 2
+        total += 2 * info["matmul_params_lm_head"] * r.max_tokens
+    return total
+
+
+def flops_per_token(info: dict, ctx: float) -> float:
+    """2 x (matmul parameters incl. the LM head) + attention at context `ctx`."""
+    p = info["matmul_params_layers"] + info["matmul_params_lm_head"]
+    return 2 * p + 4 * info["layers"] * info["heads"] * info["head_dim"] * ctx
+
+
+def kv_blocks_for(workload: Workload, max_model_len: int) -> int:
+    """A KV pool that holds every request at full length at once (plus one spare block each)."""
+    need = sum(math.ceil(r.total_tokens / BLOCK_SIZE) + 1 for r in workload.requests)
+    return max(need, math.ceil(max_model_len / BLOCK_SIZE))
+
+
+# --- subprocesses ----------------------------------------------------------------------------------
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+        PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+    )
+    return env
+
+
+def run_child(spec: dict, tmp: Path, timeout: float, module: str = "ops.bench.offline") -> dict:
+    """Run one measurement (`python -m <module> --child SPEC`) in a fresh interpreter; its JSON result,
+    or {"error": ...} with the tail of its output."""
+    tag = f"{spec['system']}-{uuid.uuid4().hex[:8]}"
+    spec_path, out_path, log_path = tmp / f"{tag}.spec.json", tmp / f"{tag}.out.json", tmp / f"{tag}.log"
+    spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
+    cmd = [sys.executable, "-m", module, "--child", str(spec_path)]
+    t0 = time.monotonic()
+    with log_path.open("wb") as log:
+        try:
+            rc = subprocess.run(
+                cmd, cwd=REPO, env=child_env(spec["threads"]), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    if rc == 0 and out_path.exists():
+        return json.loads(out_path.read_text())
+    tail = log_path.read_text(errors="replace")[-3000:]
+    why = f"timed out after {timeout:.0f}s" if rc is None else f"exit code {rc}"
+    return {"error": f"{spec['system']}: {why} after {time.monotonic() - t0:.0f}s\n{tail}"}
+
+
+# --- the child side --------------------------------------------------------------------------------
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def measure_matmul(dtype: str, device: str, n: int = 2048, reps: int = 10) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from ops.bench.hf_baselines import DTYPES, sync
+
+    dt = DTYPES[dtype]
+    x = torch.randn(n, n, dtype=dt, device=device)
+    w = torch.randn(n, n, dtype=dt, device=device)
+    for _ in range(3):
+        F.linear(x, w)
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    best = min(times)
+    return {"n": n, "flops": 2 * n**3 / median(times), "flops_best": 2 * n**3 / best, "times_s": times}
+
+
+def _pagedq_runner(spec: dict):
+    from worker import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], device=spec["device"], **spec.get("engine", {}))
+
+    def gen(reqs):
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+        outs = llm.generate([list(r.prompt) for r in reqs], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def extra() -> dict:
+        eng = llm.engine
+        return {
+            "kv_blocks": eng.kv.num_blocks,
+            "steps": eng.stats.steps,
+            "preemptions": eng.stats.num_preemptions,
+            "max_num_batched_tokens": eng.scheduler_config.max_num_batched_tokens,
+            "chunked_prefill": eng.scheduler_config.enable_chunked_prefill,
+        }
+
+    return gen, extra, None
+
+
+def _hf_runner(spec: dict):
+    from ops.bench import hf_baselines as hf
+
+    model = hf.load_hf_model(spec["model"], spec["dtype"], spec["device"])
+    system = spec["system"]
+    if system == "hf-single":
+        return (lambda reqs: hf.run_single(model, reqs)), dict, None
+    if system == "hf-static":
+        bs = spec.get("batch_size", 16)
+        return (lambda reqs: hf.run_static(model, reqs, bs)), (lambda: {"batch_size": bs}), None
+    cb = hf.HFContinuousBatching(model, spec.get("preset", hf.DEFAULT_CB_PRESET), spec.get("kv_tokens"))
+    return cb.generate, (lambda: {"preset": spec.get("preset"), "config": cb.resolved_config()}), cb
+
+
+def child_main(spec_path: str) -> int:
+    import contextlib
+
+    import torch
+
+    from ops.bench.hf_baselines import sync
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    result: dict[str, Any] = {"system": spec["system"], "threads": torch.get_num_threads()}
+    if spec["system"] == "matmul":
+        result.update(measure_matmul(spec["dtype"], spec["device"]))
+    else:
+        wl = Workload.load(spec["workload"])
+        if spec.get("indices") is not None:
+            wl = wl.subset(spec["indices"])
+        t0 = time.perf_counter()
+        gen, extra, ctx = (_pagedq_runner if spec["system"] == "pagedq" else _hf_runner)(spec)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            gen(warmup_requests(spec["vocab_size"]))
+            sync(spec["device"])
+            result["load_and_warmup_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tokens = gen(wl.requests)
+            sync(spec["device"])
+            elapsed = time.perf_counter() - t0
+            result.update(extra())
+        produced = sum(len(t) for t in tokens)
+        result.update(
+            tokens=tokens,
+            elapsed_s=elapsed,
+            requests=len(wl),
+            prompt_tokens=wl.prompt_tokens,
+            output_tokens=produced,
+            expected_output_tokens=wl.output_tokens,
+            out_tok_s=produced / elapsed,
+            total_tok_s=(produced + wl.prompt_tokens) / elapsed,
+        )
+    result["peak_rss_mb"] = _peak_rss_mb()
+    if spec["device"].startswith("cuda"):
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0
+
+
+# --- the parent side -------------------------------------------------------------------------------
+
+
+def agreement(ref: list[list[int]], other: list[list[int]]) -> dict:
+    """Identical-output fraction and mean common-prefix length (tokens, and as a fraction of length)."""
+    same, prefix, frac = 0, [], []
+    for a, b in zip(ref, other, strict=True):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        same += a == b
+        prefix.append(k)
+        frac.append(k / max(len(a), 1))
+    n = len(ref)
+    return {
+        "n": n,
+        "identical": same / n if n else math.nan,
+        "mean_common_prefix": sum(prefix) / n if n else math.nan,
+        "mean_common_prefix_frac": sum(frac) / n if n else math.nan,
+    }
+
+
+def single_indices(n: int, k: int | None) -> list[int] | None:
+    """k requests spread evenly over the workload (None: all of them)."""
+    if not k or k >= n:
+        return None
+    return sorted({round(i * n / k) for i in range(k)})
+
+
+def plan_units(args: argparse.Namespace) -> int:
+    sweep = len(args.hf_cb_sweep) - 1 if "hf-cb" in args.systems and args.hf_cb_sweep else 0
+    return args.repeats * (1 + len(args.systems)) + sweep
+
+
+def run(args: argparse.Namespace, progress: Progress) -> dict:
+    model_dir = str(args.model_dir)
+    info = model_info(model_dir)
+    wl = make_workload(args.workload, args.requests, args.seed, info["prompt_vocab"], info["max_model_len"])
+    kv_blocks = kv_blocks_for(wl, info["max_model_len"])
+    base = {
+        "model": model_dir,
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": args.threads,
+        "vocab_size": info["prompt_vocab"],
+    }
+    engine = {"num_kv_blocks": kv_blocks, **args.engine}
+    single_idx = single_indices(len(wl), args.single_requests)
+    runs: dict[str, list[dict]] = {s: [] for s in ("matmul", *args.systems)}
+    errors: dict[str, str] = {}
+    sweep: list[dict] = []
+    cb_preset = args.hf_cb
+    timeout = args.child_timeout
+    with tempfile.TemporaryDirectory(prefix="pagedq-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        wl_path = str(wl.save(tmp / "workload.json"))
+        for rep in range(args.repeats):
+            for system in ("matmul", *args.systems):
+                spec = {**base, "system": system, "workload": wl_path}
+                if system == "pagedq":
+                    spec["engine"] = engine
+                elif system == "hf-single":
+                    spec["indices"] = single_idx
+                elif system == "hf-static":
+                    spec["batch_size"] = args.static_batch
+                elif system == "hf-cb":
+                    if rep > 0 and cb_preset is None:  # every preset failed in repeat 1
+                        progress.done()
+                        continue
+                    spec["kv_tokens"] = kv_blocks * BLOCK_SIZE
+                    if rep == 0 and args.hf_cb_sweep:
+                        cb_preset = _sweep_cb(spec, args.hf_cb_sweep, tmp, timeout, progress, sweep, runs, errors)
+                        continue
+                    spec["preset"] = cb_preset
+                progress.start(f"offline {rep + 1}/{args.repeats} {system}")
+                res = run_child(spec, tmp, timeout)
+                if "error" in res:
+                    errors[system] = res["error"]
+                    progress.write(f"[offline] {system} failed: {res['error'].splitlines()[0]}")
+                else:
+                    runs[system].append(res)
+                progress.done(note=_note(system, res))
+    return _assemble(args, info, wl, kv_blocks, runs, errors, sweep, cb_preset, single_idx)
+
+
+def _sweep_cb(spec, presets, tmp, timeout, progress, sweep, runs, errors) -> str | None:
+    """Repeat 1 of hf-cb: every preset once; the fastest is kept for the other repeats."""
+    best, best_rate = None, -1.0
+    for preset in presets:
+        progress.start(f"offline 1 hf-cb sweep {preset}")
+        res = run_child({**spec, "preset": preset}, tmp, timeout)
+        entry = {"preset": preset, "out_tok_s": res.get("out_tok_s"), "peak_rss_mb": res.get("peak_rss_mb")}
+        if "error" in res:
+            entry["error"] = res["error"][-1500:]
+            progress.write(f"[offline] hf-cb preset {preset} failed: {res['error'].splitlines()[0]}")
+        elif res["out_tok_s"] > best_rate:
+            best, best_rate = preset, res["out_tok_s"]
+            runs["hf-cb"][:] = [res]
+        sweep.append(entry)
+        progress.done(note=_note("hf-cb", res))
+    if best is None:
+        errors["hf-cb"] = "every preset failed: " + "; ".join(str(e.get("error", ""))[:300] for e in sweep)
+    return best
+
+
+def _note(system: str, res: dict) -> str:
+    if "error" in res:
+        return f"{system} failed"
+    if system == "matmul":
+        return f"matmul {res['flops'] / 1e9:.0f} GFLOP/s"
+    return f"{system} {res['out_tok_s']:.1f} tok/s"
+
+
+def _assemble(args, info, wl, kv_blocks, runs, errors, sweep, cb_preset, single_idx) -> dict:
+    systems: dict[str, dict] = {}
+    for s in args.systems:
+        rs = runs[s]
+        systems[s] = {
+            "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rs],
+            "out_tok_s": median(r["out_tok_s"] for r in rs),
+            "total_tok_s": median(r["total_tok_s"] for r in rs),
+            "peak_rss_mb": median(r["peak_rss_mb"] for r in rs),
+            "elapsed_s": median(r["elapsed_s"] for r in rs),
+            "requests": rs[0]["requests"] if rs else None,
+            "subset": s == "hf-single" and single_idx is not None,
+            "error": errors.get(s),
+        }
+        if rs and "peak_gpu_mb" in rs[0]:
+            systems[s]["peak_gpu_mb"] = median(r["peak_gpu_mb"] for r in rs)
+    pq = runs.get("pagedq", [])
+    ratios, agree = {}, {}
+    for s in args.systems:
+        if s == "pagedq" or not pq or not runs[s]:
+            continue
+        # Paired by repeat: both measured in the same round, under the same machine conditions.
+        # (hf-cb's sweep winner was measured in repeat 1, so it pairs with pagedq's repeat 1.)
+        pairs = list(zip(pq, runs[s]))
+        ratios[s] = median(a["out_tok_s"] / b["out_tok_s"] for a, b in pairs)
+        ref = pq[0]["tokens"]
+        if s == "hf-single" and single_idx is not None:
+            ref = [ref[i] for i in single_idx]
+        agree[s] = agreement(ref, runs[s][0]["tokens"])
+    mm = runs.get("matmul", [])
+    ceiling: dict[str, Any] = {"matmul_flops": median(r["flops"] for r in mm)}
+    useful = model_flops(info, wl)
+    ctx = mean_context(wl)
+    ceiling.update(
+        model_flops_total=useful,
+        flops_per_token=flops_per_token(info, ctx),
+        mean_context=ctx,
+        matmul_size=mm[0]["n"] if mm else None,
+    )
+    if pq and mm:
+        fracs = [useful / a["elapsed_s"] / b["flops"] for a, b in zip(pq, mm)]
+        ceiling["achieved_flops"] = median(useful / a["elapsed_s"] for a in pq)
+        ceiling["fraction"] = median(fracs)
+        ceiling["fraction_brief_formula"] = median(
+            ceiling["flops_per_token"] * a["total_tok_s"] / b["flops"] for a, b in zip(pq, mm)
+        )
+    return {
+        "kind": "offline",
+        "model": info,
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "workload": wl.describe(),
+        "kv_blocks": kv_blocks,
+        "engine": {"num_kv_blocks": kv_blocks, **args.engine},
+        "single_subset": single_idx,
+        "static_batch": args.static_batch,
+        "hf_cb": {"preset": cb_preset, "sweep": sweep},
+        "systems": systems,
+        "ratios": ratios,
+        "agreement": agree,
+        "ceiling": ceiling,
+        "errors": errors,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--child":
+        return child_main(argv[1])
+    from ops.bench.cli import main as cli_main
+
+    return cli_main(["offline", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
