@@ -179,7 +179,8 @@ def _gather_buffers(n_rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torc
     comparable to the attention itself. Nothing returned to callers aliases it.
     """
     d = like.shape[-1]
-    key = (like.dtype, like.device)
+    # Tensors made under inference mode cannot be written outside it (and the other way round).
+    key = (like.dtype, like.device, torch.is_inference_mode_enabled())
     pool = getattr(_workspace, "pool", None)
     if pool is None:
         pool = _workspace.pool = {}
