@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.chaos.harness import REPORT
 
 
-def pytest_sessionstart(session):
+@pytest.fixture(scope="session", autouse=True)
+def _fresh_chaos_report():
+    """One table per run: forget the rows of earlier runs."""
     REPORT.unlink(missing_ok=True)
 
 
