@@ -115,7 +115,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
 
     x = p.add_argument_group("prefix")
-    x.add_argument("--prefix-requests", type=int, default=None, help="shared-prefix requests (32; quick 8)")
+    x.add_argument("--prefix-requests", type=int, default=None, help="shared-prefix requests (16; quick 8)")
     x.add_argument(
         "--prefix-load",
         type=float,
@@ -138,7 +138,7 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
     pick("single_requests", 8, 0)
     pick("serve_requests", 24, 8)
     pick("long_requests", 32, 16)
-    pick("prefix_requests", 32, 8)
+    pick("prefix_requests", 16, 8)
     pick("rates", [0.5, 1.0, 1.5], [0.5, 1.0])
     pick("hf_cb", "p32-t1024", "p32-t1024")
     if args.hf_cb_sweep is None:

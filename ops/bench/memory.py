@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
             "threads": args.threads,
             "workload": str(wl.save(Path(tmp) / "workload.json")),
             "engine": {"num_kv_blocks": budget_tokens // BLOCK_SIZE, "max_model_len": max_len, **args.engine},
-            "max_seconds": 30 if args.quick else 90,
+            "max_seconds": 30 if args.quick else 60,
         }
         res = run_child(spec, Path(tmp), args.child_timeout, module="ops.bench.memory")
     out["engine_run"] = res

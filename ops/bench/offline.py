@@ -10,7 +10,8 @@ from `getrusage` in that subprocess, `torch.set_num_threads(threads)`):
     hf-cb       transformers continuous batching (the `generate_batch` engine), tuned sizes
     matmul      a 2048^3 `linear` in the same dtype and threads: the hardware ceiling
 
-Systems run round-robin inside each repeat, so slow drifts of a shared machine hit all of them; each
+Systems run round-robin inside each repeat (the order rotated from one repeat to the next), so slow
+drifts of a shared machine hit all of them; each
 ratio is pagedq's throughput over the other's in the same repeat, and the median over repeats is
 quoted. Greedy agreement: the fraction of requests with identical token ids, and the mean length of
 the common prefix.
@@ -168,6 +169,13 @@ def run_child(spec: dict, tmp: Path, timeout: float, module: str = "ops.bench.of
 # --- the child side --------------------------------------------------------------------------------
 
 
+def _cpu_seconds() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _peak_rss_mb() -> float:
     import resource
 
@@ -255,10 +263,14 @@ def child_main(spec_path: str) -> int:
             gen(warmup_requests(spec["vocab_size"]))
             sync(spec["device"])
             result["load_and_warmup_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
+            load0, cpu0, t0 = os.getloadavg()[0], _cpu_seconds(), time.perf_counter()
             tokens = gen(wl.requests)
             sync(spec["device"])
             elapsed = time.perf_counter() - t0
+            # How much of `threads` cores this process got while timed (below ~1 on a busy machine,
+            # and below 1 anyway where the work is single-threaded): a noise indicator.
+            result["cpu_share"] = (_cpu_seconds() - cpu0) / (elapsed * spec["threads"])
+            result["loadavg_1m"] = [load0, os.getloadavg()[0]]
             result.update(extra())
         produced = sum(len(t) for t in tokens)
         result.update(
@@ -335,7 +347,9 @@ def run(args: argparse.Namespace, progress: Progress) -> dict:
         tmp = Path(tmp_name)
         wl_path = str(wl.save(tmp / "workload.json"))
         for rep in range(args.repeats):
-            for system in ("matmul", *args.systems):
+            # Rotated each repeat, so a burst of load from a neighbour does not always hit the same system.
+            order = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
+            for system in ("matmul", *order):
                 spec = {**base, "system": system, "workload": wl_path}
                 if system == "pagedq":
                     spec["engine"] = engine
@@ -358,7 +372,7 @@ def run(args: argparse.Namespace, progress: Progress) -> dict:
                     errors[system] = res["error"]
                     progress.write(f"[offline] {system} failed: {res['error'].splitlines()[0]}")
                 else:
-                    runs[system].append(res)
+                    runs[system].append({**res, "repeat": rep})
                 progress.done(note=_note(system, res))
     return _assemble(args, info, wl, kv_blocks, runs, errors, sweep, cb_preset, single_idx)
 
@@ -375,7 +389,7 @@ def _sweep_cb(spec, presets, tmp, timeout, progress, sweep, runs, errors) -> str
             progress.write(f"[offline] hf-cb preset {preset} failed: {res['error'].splitlines()[0]}")
         elif res["out_tok_s"] > best_rate:
             best, best_rate = preset, res["out_tok_s"]
-            runs["hf-cb"][:] = [res]
+            runs["hf-cb"][:] = [{**res, "repeat": 0}]
         sweep.append(entry)
         progress.done(note=_note("hf-cb", res))
     if best is None:
@@ -391,6 +405,12 @@ def _note(system: str, res: dict) -> str:
     return f"{system} {res['out_tok_s']:.1f} tok/s"
 
 
+def _paired(a: list[dict], b: list[dict]) -> list[tuple[dict, dict]]:
+    """Runs of two systems from the same repeat."""
+    by_repeat = {r["repeat"]: r for r in b}
+    return [(x, by_repeat[x["repeat"]]) for x in a if x["repeat"] in by_repeat]
+
+
 def _assemble(args, info, wl, kv_blocks, runs, errors, sweep, cb_preset, single_idx) -> dict:
     systems: dict[str, dict] = {}
     for s in args.systems:
@@ -400,6 +420,7 @@ def _assemble(args, info, wl, kv_blocks, runs, errors, sweep, cb_preset, single_
             "out_tok_s": median(r["out_tok_s"] for r in rs),
             "total_tok_s": median(r["total_tok_s"] for r in rs),
             "peak_rss_mb": median(r["peak_rss_mb"] for r in rs),
+            "cpu_share": median(r["cpu_share"] for r in rs),
             "elapsed_s": median(r["elapsed_s"] for r in rs),
             "requests": rs[0]["requests"] if rs else None,
             "subset": s == "hf-single" and single_idx is not None,
@@ -414,7 +435,7 @@ def _assemble(args, info, wl, kv_blocks, runs, errors, sweep, cb_preset, single_
             continue
         # Paired by repeat: both measured in the same round, under the same machine conditions.
         # (hf-cb's sweep winner was measured in repeat 1, so it pairs with pagedq's repeat 1.)
-        pairs = list(zip(pq, runs[s]))
+        pairs = _paired(pq, runs[s])
         ratios[s] = median(a["out_tok_s"] / b["out_tok_s"] for a, b in pairs)
         ref = pq[0]["tokens"]
         if s == "hf-single" and single_idx is not None:
@@ -431,11 +452,11 @@ def _assemble(args, info, wl, kv_blocks, runs, errors, sweep, cb_preset, single_
         matmul_size=mm[0]["n"] if mm else None,
     )
     if pq and mm:
-        fracs = [useful / a["elapsed_s"] / b["flops"] for a, b in zip(pq, mm)]
+        pairs = _paired(pq, mm)
         ceiling["achieved_flops"] = median(useful / a["elapsed_s"] for a in pq)
-        ceiling["fraction"] = median(fracs)
+        ceiling["fraction"] = median(useful / a["elapsed_s"] / b["flops"] for a, b in pairs)
         ceiling["fraction_brief_formula"] = median(
-            ceiling["flops_per_token"] * a["total_tok_s"] / b["flops"] for a, b in zip(pq, mm)
+            ceiling["flops_per_token"] * a["total_tok_s"] / b["flops"] for a, b in pairs
         )
     return {
         "kind": "offline",

@@ -419,33 +419,33 @@ def _offline_section(off: dict) -> list[str]:
     )
     lines.append("")
     rows = []
+    gpu = any("peak_gpu_mb" in v for v in off.get("systems", {}).values())
     for s, v in off.get("systems", {}).items():
         ag = off.get("agreement", {}).get(s, {})
         sub = f" ({v.get('requests')} req subset)" if v.get("subset") else ""
+        each = ", ".join(_fmt(r.get("out_tok_s"), 1) for r in v.get("runs", []))
         rows.append(
             [
                 f"{s}{sub}",
                 _fmt(v.get("out_tok_s"), 1),
+                each,
                 _fmt(v.get("total_tok_s"), 1),
                 _fmt(v.get("peak_rss_mb"), 0),
+                *([_fmt(v.get("peak_gpu_mb"), 0)] if gpu else []),
+                _fmt(v.get("cpu_share"), 2),
                 "-" if s == "pagedq" else _fmt(off.get("ratios", {}).get(s), 2, "x"),
                 "-" if s == "pagedq" else _pct(ag.get("identical"), 0),
                 "-" if s == "pagedq" else _pct(ag.get("mean_common_prefix_frac"), 0),
                 "FAILED" if v.get("error") and not v.get("runs") else "",
             ]
         )
-    lines += _table(
-        [
-            "system",
-            "output tok/s",
-            "total tok/s",
-            "peak RSS MB",
-            "pagedq speed-up",
-            "identical outputs",
-            "common prefix",
-            "",
-        ],
-        rows,
+    head = ["system", "output tok/s", "per repeat", "total tok/s", "peak RSS MB", *(["peak GPU MB"] if gpu else [])]
+    head += ["CPU share", "pagedq speed-up (paired)", "identical outputs", "common prefix", ""]
+    lines += _table(head, rows)
+    lines.append(
+        "\nCPU share: CPU time over (wall time x threads) while timed; well below the others' on a busy "
+        "machine. Speed-ups are medians of per-repeat ratios. Outputs are compared with pagedq's token for "
+        "token (bf16 drifts after a while; fp32 must agree fully); common prefix: mean share of each output."
     )
     c = off.get("ceiling", {})
     lines += [
