@@ -3,7 +3,7 @@
     pagedq up                                   # or: docker compose up (redis + a worker)
     python examples/agent_backend.py --redis-url redis://localhost:6379/0
 
-It streams one answer token by token, runs a few tool-planning calls concurrently with a
+It streams one answer token by token, fans out 20 tool-planning calls concurrently with a
 per-call deadline, shows the queue, and cancels a request it no longer needs.
 """
 
@@ -27,8 +27,10 @@ async def main(redis_url: str, model: str) -> None:
             print(chunk.text, end="", flush=True)
         print(f"\n[{handle.finish_reason}] {handle.usage.completion_tokens} tokens, ttft {handle.timings.ttft_ms} ms")
 
-        # 2. Fan out: several short planning calls at once, each with a 20 s deadline, greedy.
-        steps = ["search the docs", "summarise the ticket", "draft a reply"]
+        # 2. Fan out: 20 short planning calls at once, each with a 20 s deadline, greedy. The workers batch
+        #    them together (continuous batching), so 20 calls cost far less than 20 times one call.
+        tasks = ["search the docs", "summarise the ticket", "draft a reply", "check the order status", "escalate"]
+        steps = [f"{task} (case {i // len(tasks) + 1})" for i, task in enumerate(tasks * 4)]
         handles = await client.submit_many(
             [{"prompt": f"Plan step: {s}.", "priority": 1} for s in steps], max_tokens=32, temperature=0.0, deadline=20
         )

@@ -325,3 +325,16 @@ def test_arq_bridge_through_a_real_worker(llama_dir, redis_url):
     )
     assert [r["token_ids"] for r in results] == [o.outputs[0].token_ids for o in offline]
     assert all(r["finish_reason"] == "length" and r["worker"] == "w1" for r in results)
+
+
+def test_cancel_right_after_submit_is_never_lost(redis_url, worker):
+    """Found by the examples: a cancel landing while intake admits the request used to be dropped."""
+    with Client(redis_url) as client:
+        handles = []
+        for i in range(20):
+            h = client.submit(f"cancel at once {i}", max_tokens=2000, ignore_eos=True)
+            h.cancel()
+            handles.append(h)
+        for h in handles:
+            with pytest.raises(Cancelled):
+                h.result(timeout=30)

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -69,6 +70,7 @@ class Control:
         self.capacity = capacity
         self.on_lost = on_lost
         self._claim = redis.register_script(CLAIM_OWN)
+        self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self.started_ms = int(time.time() * 1000)
         self.log = get_logger("pagedq.control", worker=consumer)
         self._last_stats = (time.monotonic(), 0, 0, 0, 0)
@@ -96,9 +98,18 @@ class Control:
             msg = decode_control(data)
         except ProtocolError:
             return
-        if msg.type == "cancel" and msg.request_id in self.inflight:
+        if msg.type != "cancel" or not msg.request_id:
+            return
+        # Remembered for a while: the request may be between intake's flag check and the engine.
+        self.recent_cancels[msg.request_id] = None
+        while len(self.recent_cancels) > 10_000:
+            self.recent_cancels.popitem(last=False)
+        if msg.request_id in self.inflight:
             self.log.info("cancel", request_id=msg.request_id)
             self.engine.abort_request(msg.request_id)
+
+    def recently_cancelled(self, request_id: str) -> bool:
+        return request_id in self.recent_cancels
 
     async def sweep_cancels(self) -> None:
         ids = list(self.inflight)

@@ -112,6 +112,7 @@ class Intake:
         self.wake_engine = wake_engine
         self.block_ms = block_ms
         self.capacity_changed = asyncio.Event()
+        self.recently_cancelled: Callable[[str], bool] = lambda request_id: False  # set by the service
         self.log = get_logger("pagedq.intake", worker=consumer)
 
     # --- setup --------------------------------------------------------------------------------
@@ -244,6 +245,8 @@ class Intake:
             code = getattr(err, "code", "invalid_request")
             await self._dead_letter(e, req.request_id, code, str(err), seq=rec.next_seq)
             return
+        if self.recently_cancelled(req.request_id):  # cancelled while we were admitting it
+            self.engine.abort_request(req.request_id)
         self.wake_engine()
 
     def add_to_engine(self, rec: InFlight, isolated: bool = False) -> None:

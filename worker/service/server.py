@@ -226,6 +226,7 @@ class WorkerService:
             capacity=self.capacity,
             on_lost=self._on_lost,
         )
+        self.intake.recently_cancelled = self.control.recently_cancelled
         loop = asyncio.get_running_loop()
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
