@@ -328,7 +328,7 @@ def test_arq_bridge_through_a_real_worker(llama_dir, redis_url):
 
 
 def test_cancel_right_after_submit_is_never_lost(redis_url, worker):
-    """Found by the examples: a cancel landing while intake admits the request used to be dropped."""
+    """Cancels sent right after submit (while intake may be admitting the request) all take effect."""
     with Client(redis_url) as client:
         handles = []
         for i in range(20):
