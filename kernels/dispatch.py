@@ -1,4 +1,5 @@
-"""The one dispatch point: Triton for CUDA tensors, the torch reference for everything else.
+"""The one dispatch point: Triton for CUDA tensors; on the CPU the C++ decode kernel with the torch
+reference for prefill ("cpu", see kernels/cpu.py), or the plain reference ("torch").
 
 The choice can be forced, for tests and benchmarks, by `set_backend(name)`, the `use_backend(name)`
 context manager, or the environment variable PAGEDQ_ATTENTION_BACKEND, in that order of precedence.
@@ -15,7 +16,7 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "cpu", "torch")
 ENV_VAR = "PAGEDQ_ATTENTION_BACKEND"
 
 _forced: str | None = None
@@ -28,7 +29,7 @@ def _check(name: str | None) -> str | None:
 
 
 def set_backend(name: str | None) -> None:
-    """Force every call onto `name` ("triton" or "torch"); None restores the automatic choice."""
+    """Force every call onto `name` (one of BACKENDS); None restores the automatic choice."""
     global _forced
     _forced = _check(name)
 
@@ -52,7 +53,7 @@ def backend_for(tensor: torch.Tensor) -> str:
     env = os.environ.get(ENV_VAR)
     if env:
         return _check(env.strip().lower())
-    return "triton" if tensor.is_cuda else "torch"
+    return "triton" if tensor.is_cuda else "cpu"
 
 
 def _need_triton(has_triton: bool) -> None:
@@ -101,6 +102,10 @@ def paged_attention(
         return paged_attention_triton(
             query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out
         )
+    if backend_for(query) == "cpu":
+        from kernels.cpu import paged_attention_cpu
+
+        return paged_attention_cpu(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out)
     from kernels.reference import paged_attention_ref
 
     return paged_attention_ref(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out)

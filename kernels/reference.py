@@ -74,6 +74,23 @@ def paged_attention_ref(
     return out
 
 
+def prefill_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Only the requests after the first `num_decodes` (another kernel handles those decodes)."""
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else None
+    if meta.num_decodes < meta.num_seqs:
+        _prefill(query, k_cache, v_cache, meta, scale, window, out)
+    return out
+
+
 # --- per-step plans -----------------------------------------------------------------------------
 
 

@@ -14,9 +14,9 @@ import kernels
 from kernels.dispatch import ENV_VAR, backend_for
 
 
-def test_cpu_defaults_to_torch(monkeypatch):
+def test_cpu_defaults_to_the_cpu_backend(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert backend_for(torch.zeros(1)) == "torch"
+    assert backend_for(torch.zeros(1)) == "cpu"
 
 
 def test_env_var_then_set_backend_then_context(monkeypatch):

@@ -1,0 +1,124 @@
+"""The CPU attention backend: a C++ decode kernel (csrc/cpu_decode.cpp) plus the torch reference for
+prefill chunks.
+
+Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
+reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
+three times; the C++ kernel reads it once, straight from the blocks. It is compiled on first use with
+torch's extension loader (g++ and ninja, about half a minute, cached under ~/.cache/torch_extensions)
+and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
+reference. Prefill chunks are compute-bound matmuls that torch already does well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.reference import paged_attention_ref, prefill_ref
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_log = logging.getLogger("pagedq.kernels")
+_lock = threading.Lock()
+_ext = None  # the module, False when it cannot be built, None before the first try
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _compile_flags() -> list[str]:
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def extension():
+    """The compiled kernel module, or None when it is disabled or cannot be built (logged once)."""
+    global _ext
+    if _ext is None:
+        with _lock:
+            if _ext is None:
+                _ext = _build()
+    return _ext or None
+
+
+def _build():
+    if os.environ.get("PAGEDQ_CPU_KERNEL", "1") == "0":
+        return False
+    flags = _compile_flags()
+    tag = hashlib.sha1((SOURCE.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=f"pagedq_cpu_decode_{tag}",
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, an odd platform: the reference still works
+        _log.warning("C++ CPU attention kernel unavailable (%s); using the torch reference", e)
+        return False
+
+
+def supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (
+        query.dtype in _DTYPES
+        and k_cache.dtype == query.dtype
+        and query.stride(-1) == 1
+        and k_cache.stride(-1) == 1
+        and k_cache.stride(-2) == k_cache.shape[-1]
+        and query.shape[1] % k_cache.shape[2] == 0
+    )
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `paged_attention_ref`; decodes go through the C++ kernel when it is there."""
+    nd = meta.num_decodes
+    ext = extension() if nd else None
+    if ext is None or not supported(query, k_cache) or v_cache.stride() != k_cache.stride():
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    window = sliding_window if sliding_window and sliding_window > 0 else 0
+    tables = meta.block_tables[:nd]
+    lens = meta.seq_lens[:nd]
+    ext.paged_decode(
+        query[:nd],
+        k_cache,
+        v_cache,
+        tables if tables.dtype == torch.int32 else tables.to(torch.int32),
+        lens if lens.dtype == torch.int32 else lens.to(torch.int32),
+        out[:nd],
+        float(scale),
+        int(window),
+    )
+    if nd < meta.num_seqs:
+        prefill_ref(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out)
+    return out

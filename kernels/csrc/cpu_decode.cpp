@@ -1,0 +1,243 @@
+// Decode attention over the paged KV cache on the CPU: one query token per request.
+//
+// One request at a time per thread: its K and V rows are read straight from the cache blocks,
+// once, all KV heads of a position together (one contiguous row of Hkv x D), scored against every
+// query head, and the softmax-weighted V rows are accumulated, in fp32. There is no gather copy:
+// on a CPU this step is bound by memory bandwidth, and reading K/V once is what matters.
+// AVX2 + FMA (+ F16C) when the compiler targets them; plain C++ otherwise.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDQ_AVX2 1
+#endif
+
+namespace {
+
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGEDQ_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void widen(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(PAGEDQ_AVX2) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGEDQ_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+
+#ifdef PAGEDQ_AVX2
+// e^x for x <= 0 (softmax after subtracting the max): Cephes' polynomial, ~1e-7 relative error.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// The horizontal sums of a[0..7], in order, as one vector.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// s[i] = exp(s[i] - max) / sum, in place.
+inline void softmax(float* s, int64_t n) {
+  const float m = *std::max_element(s, s + n);
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef PAGEDQ_AVX2
+  __m256 vsum = _mm256_setzero_ps();
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vsum);
+  for (float v : lanes) sum += v;
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
+template <typename T>
+struct Request {
+  const T* k;  // the caches
+  const T* v;
+  const int32_t* table;  // its block table
+  int64_t first, n;      // positions first .. first + n - 1 are visible
+  int64_t block_size, c_blk, c_pos;
+  const T* row(const T* base, int64_t pos) const {
+    return base + table[pos / block_size] * c_blk + (pos % block_size) * c_pos;
+  }
+};
+
+// scores[hq * n + i] = q[hq] . k[i, hq / G] for every query head hq and visible position i.
+template <typename T>
+void scores_of(const Request<T>& r, const float* qf, int64_t Hq, int64_t Hkv, int64_t D, float* scores,
+               float* kbuf) {
+  const int64_t G = Hq / Hkv, W = Hkv * D;
+  int64_t i = 0;
+#ifdef PAGEDQ_AVX2
+  if (D % 8 == 0) {
+    for (; i + 8 <= r.n; i += 8) {
+      for (int64_t j = 0; j < 8; ++j) widen(r.row(r.k, r.first + i + j), kbuf + j * W, W);
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        const float* q = qf + hq * D;
+        const float* kh = kbuf + (hq / G) * D;
+        __m256 acc[8];
+        for (int64_t j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + d);
+          for (int64_t j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + j * W + d), acc[j]);
+        }
+        _mm256_storeu_ps(scores + hq * r.n + i, hsum8(acc));
+      }
+    }
+  }
+#endif
+  for (; i < r.n; ++i) {
+    widen(r.row(r.k, r.first + i), kbuf, W);
+    for (int64_t hq = 0; hq < Hq; ++hq) scores[hq * r.n + i] = dot(qf + hq * D, kbuf + (hq / G) * D, D);
+  }
+}
+
+// acc[hq] = sum_i p[hq * n + i] * v[i, hq / G] for every query head hq.
+template <typename T>
+void weighted_sum(const Request<T>& r, const float* p, int64_t Hq, int64_t Hkv, int64_t D, float* acc, float* vbuf) {
+  const int64_t G = Hq / Hkv, W = Hkv * D;
+  int64_t i = 0;
+#ifdef PAGEDQ_AVX2
+  if (D % 8 == 0) {
+    for (; i + 8 <= r.n; i += 8) {
+      for (int64_t j = 0; j < 8; ++j) widen(r.row(r.v, r.first + i + j), vbuf + j * W, W);
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        const float* vh = vbuf + (hq / G) * D;
+        const float* ph = p + hq * r.n + i;
+        __m256 pj[8];
+        for (int64_t j = 0; j < 8; ++j) pj[j] = _mm256_set1_ps(ph[j]);
+        for (int64_t d = 0; d < D; d += 8) {
+          __m256 a = _mm256_loadu_ps(acc + hq * D + d);
+          for (int64_t j = 0; j < 8; ++j) a = _mm256_fmadd_ps(pj[j], _mm256_loadu_ps(vh + j * W + d), a);
+          _mm256_storeu_ps(acc + hq * D + d, a);
+        }
+      }
+    }
+  }
+#endif
+  for (; i < r.n; ++i) {
+    widen(r.row(r.v, r.first + i), vbuf, W);
+    for (int64_t hq = 0; hq < Hq; ++hq) axpy(p[hq * r.n + i], vbuf + (hq / G) * D, acc + hq * D, D);
+  }
+}
+
+template <typename T>
+void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out, double scale,
+            int64_t window) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv, W = Hkv * D;
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int64_t q_b = q.stride(0), q_h = q.stride(1), o_b = out.stride(0), o_h = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), acc(Hq * D), kbuf(8 * W), scores;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = sl[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      Request<T> r{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), bt + b * block_tables.stride(0), first,
+                   len - first, BS, k_cache.stride(0), k_cache.stride(1)};
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        widen(qp + b * q_b + hq * q_h, &qf[hq * D], D);
+        for (int64_t d = 0; d < D; ++d) qf[hq * D + d] *= fscale;
+      }
+      scores.resize(Hq * r.n);
+      scores_of(r, qf.data(), Hq, Hkv, D, scores.data(), kbuf.data());
+      for (int64_t hq = 0; hq < Hq; ++hq) softmax(&scores[hq * r.n], r.n);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      weighted_sum(r, scores.data(), Hq, Hkv, D, acc.data(), kbuf.data());
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        T* o = op + b * o_b + hq * o_h;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[hq * D + d]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                  torch::Tensor seq_lens, torch::Tensor out, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1 && out.stride(2) == 1,
+              "paged_decode: query/out must be [B, Hq, D] with unit stride on D");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && k_cache.strides() == v_cache.strides(),
+              "paged_decode: caches must be [blocks, block_size, Hkv, D] with contiguous rows");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_decode: block_tables and seq_lens must be int32");
+  const auto bt = block_tables.contiguous();
+  const auto sl = seq_lens.contiguous();
+  switch (q.scalar_type()) {
+    case at::kFloat: decode<float>(q, k_cache, v_cache, bt, sl, out, scale, window); break;
+    case at::kBFloat16: decode<at::BFloat16>(q, k_cache, v_cache, bt, sl, out, scale, window); break;
+    case at::kHalf: decode<at::Half>(q, k_cache, v_cache, bt, sl, out, scale, window); break;
+    default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16 only");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (one query token per request)");
+}

@@ -1,0 +1,43 @@
+"""The C++ CPU decode kernel (with the reference doing prefills) against float64 dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cases import case_from_shape, dense_attention, make_case, random_shape, rel_err
+
+from kernels import cpu
+from kernels.reference import paged_attention_ref
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+
+def test_the_kernel_builds_here():
+    assert cpu.extension() is not None, "the C++ kernel did not build (see the warning logged above)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("seed", range(24))
+def test_random_mixed_batches(seed, dtype):
+    case = case_from_shape(random_shape(seed), dtype, seed)
+    out = torch.full(case.query.shape, float("nan"), dtype=dtype)  # poisoned: every row must be written
+    got = cpu.paged_attention_cpu(case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale,
+                                  sliding_window=case.window, out=out)  # fmt: skip
+    assert rel_err(got, dense_attention(case)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_ragged_decodes_match_the_reference(dtype):
+    lens = [1, 7, 16, 17, 300, 513, 1024]
+    case = make_case(lens, [1] * len(lens), num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    got = cpu.paged_attention_cpu(case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale)
+    want = paged_attention_ref(case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale)
+    assert rel_err(got, dense_attention(case)) < TOL[dtype]
+    assert rel_err(got, want) < TOL[dtype]
+
+
+def test_falls_back_to_the_reference_when_disabled(monkeypatch):
+    monkeypatch.setattr(cpu, "_ext", False)
+    case = make_case([5, 40], [1, 9], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    got = cpu.paged_attention_cpu(case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale)
+    assert rel_err(got, dense_attention(case)) < 1e-5
