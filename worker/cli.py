@@ -152,6 +152,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    return _run_bench(args.rest)
+
+
+def _run_bench(argv: list[str]) -> int:
+    """`pagedq bench ...` hands everything after `bench` to ops/bench/cli.py (options included)."""
     from pathlib import Path
 
     import worker
@@ -163,7 +168,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(root))
     from ops.bench.cli import main as bench_main
 
-    return bench_main(args.rest) or 0
+    return bench_main(argv) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _run_bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
