@@ -29,7 +29,8 @@ HANDOVER_IDLE_MS = 10**12  # "idle forever": the next XAUTOCLAIM of any worker t
 
 
 async def every(interval: float, fn: Callable[[], Awaitable[None]], log, what: str) -> None:
-    """Run `fn` every `interval` seconds forever; Redis outages are logged and retried."""
+    """Run `fn` every `interval` seconds forever. Redis outages are logged and retried; so is anything
+    else (logged with its traceback): a background duty must not die quietly."""
     while True:
         try:
             await fn()
@@ -37,6 +38,8 @@ async def every(interval: float, fn: Callable[[], Awaitable[None]], log, what: s
             log.warning(f"{what}: redis unavailable", error=str(e))
         except ResponseError as e:
             log.warning(f"{what}: redis error", error=str(e))
+        except Exception:
+            log.exception(f"{what} failed; retrying")
         await asyncio.sleep(interval)
 
 

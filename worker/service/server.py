@@ -322,7 +322,7 @@ class WorkerService:
                 delay = min(delay * 2, 5.0)
 
     async def _guard(self, coro) -> None:
-        """Intake survives Redis outages: retry with backoff."""
+        """Intake survives Redis outages (and its own bugs, logged): restart it with backoff."""
         delay = 0.1
         while True:
             try:
@@ -331,9 +331,11 @@ class WorkerService:
             except REDIS_DOWN as e:
                 self.metrics.labels(self.metrics.redis_errors).inc()
                 self.log.warning("intake: redis unavailable", error=str(e), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                coro = self.intake.run()
+            except Exception:
+                self.log.exception("intake failed; restarting it", retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            coro = self.intake.run()
 
     async def _beat(self) -> None:
         self.control.update_engine_gauges()
