@@ -25,11 +25,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.section("chaos table")
     head = (
         f"{'fault':<40} {'requests':>8} {'completed':>9} {'errored':>7} {'lost':>4} {'dup tokens':>10} "
-        f"{'wrong':>5} {'recovery s':>10}"
+        f"{'wrong':>5} {'resumed':>7} {'recovery s':>10}"
     )
     tr.write_line(head)
     for r in rows:
         tr.write_line(
             f"{r['fault']:<40} {r['requests']:>8} {r['completed']:>9} {r['errored']:>7} {r['lost']:>4} "
-            f"{r['duplicated']:>10} {r['wrong']:>5} {r['recovery_s']:>10}"
+            f"{r['duplicated']:>10} {r['wrong']:>5} {r.get('resumed', 0):>7} {r['recovery_s']:>10}"
         )

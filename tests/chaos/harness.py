@@ -9,6 +9,7 @@ for every request to end, and scores the run against an undisturbed offline run 
   events than tokens)
 - wrong: requests whose tokens differ from the undisturbed greedy run
 - recovery: seconds from the fault to the last request finishing
+- resumed: requests a second attempt (another worker, or a retry) took over
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import redis
 
 from producer_sdk import AsyncClient, keys
-from producer_sdk.protocol import EVENT_FIELD, Error, Finished, Tokens, decode_event
+from producer_sdk.protocol import EVENT_FIELD, Error, Finished, Started, Tokens, decode_event
 from tests.service.worker_proc import WorkerProc
 
 REPORT = Path(os.environ.get("PAGEDQ_CHAOS_REPORT", Path(__file__).parent / ".chaos-report.jsonl"))
@@ -39,6 +40,7 @@ class Outcome:
     duplicated: int = 0
     wrong: int = 0
     recovery_s: float = 0.0
+    resumed: int = 0  # requests another worker (or attempt) took over
     notes: list[str] = field(default_factory=list)
 
     def record(self) -> Outcome:
@@ -62,6 +64,7 @@ def score(
         events = raw_events(url, rid)
         seqs = [e.seq for e in events]
         outcome.duplicated += len(seqs) - len(set(seqs))
+        outcome.resumed += sum(isinstance(e, Started) for e in events) > 1
         terminal = [e for e in events if isinstance(e, (Finished, Error))]
         if not terminal:
             outcome.lost += 1
@@ -119,6 +122,11 @@ class Traffic:
 def progress(url: str, ids: list[str]) -> list[int]:
     """Tokens each request has in its response stream so far."""
     return [sum(len(e.token_ids) for e in raw_events(url, rid) if isinstance(e, Tokens)) for rid in ids]
+
+
+def mid_flight(url: str, prompts: dict, max_tokens: int) -> int:
+    """Requests that have streamed some tokens but not all: the moment to inject a fault."""
+    return sum(0 < n < max_tokens for n in progress(url, list(prompts)))
 
 
 async def wait_for(cond, timeout: float, what: str) -> None:

@@ -11,13 +11,13 @@ import redis
 
 from producer_sdk import keys
 from producer_sdk.protocol import Error, Started
-from tests.chaos.harness import Outcome, Traffic, progress, raw_events, score, wait_for, worker
+from tests.chaos.harness import Outcome, Traffic, mid_flight, progress, raw_events, score, wait_for, worker
 from worker import LLM, SamplingParams
 from worker.service.redis_proc import RedisProcess
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
-MAX_TOKENS = 40
+MAX_TOKENS = 120
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_sigkill_worker_with_50_in_flight(llama_dir, aof_redis, reference):
 
     async def during():
         nonlocal fault_at
-        await wait_for(lambda: sum(x > 0 for x in progress(url, list(prompts))) >= 20, 60, "progress")
+        await wait_for(lambda: mid_flight(url, prompts, MAX_TOKENS) >= 20, 60, "20 requests mid-generation")
         first.kill()
         fault_at = time.monotonic()
         await asyncio.to_thread(second.start)
@@ -72,7 +72,7 @@ def test_sigkill_worker_with_50_in_flight(llama_dir, aof_redis, reference):
     o = score(Outcome("SIGKILL worker, 50 in flight", len(prompts)), url, list(prompts), expected, traffic.streamed)
     o.recovery_s = round(max(traffic.finished_at.values()) - fault_at, 2)
     _assert_clean(o.record())
-    assert o.completed == 50
+    assert o.completed == 50 and o.resumed >= 1
 
 
 def test_sigkill_between_step_and_final_publish(llama_dir, aof_redis, reference):
@@ -97,7 +97,7 @@ def test_sigkill_between_step_and_final_publish(llama_dir, aof_redis, reference)
     o = score(Outcome("SIGKILL before final publish", len(prompts)), url, list(prompts), expected, traffic.streamed)
     o.recovery_s = round(max(traffic.finished_at.values()) - fault_at, 2)
     _assert_clean(o.record())
-    assert doomed.proc.returncode == 137 and o.completed == len(prompts)
+    assert doomed.proc.returncode == 137 and o.completed == len(prompts) and o.resumed >= 1
 
 
 def test_redis_restart_mid_run(llama_dir, aof_redis, reference):
@@ -109,7 +109,7 @@ def test_redis_restart_mid_run(llama_dir, aof_redis, reference):
 
     async def during():
         nonlocal fault_at
-        await wait_for(lambda: sum(progress(url, list(prompts))) >= 100, 60, "progress")
+        await wait_for(lambda: mid_flight(url, prompts, MAX_TOKENS) >= 10, 60, "10 requests mid-generation")
         fault_at = time.monotonic()
         await asyncio.to_thread(aof_redis.restart, kill=True)
 
@@ -134,7 +134,7 @@ def test_client_connections_cut_mid_stream(llama_dir, aof_redis, reference):
 
     async def during():
         nonlocal fault_at
-        await wait_for(lambda: sum(progress(url, list(prompts))) >= 60, 60, "progress")
+        await wait_for(lambda: mid_flight(url, prompts, MAX_TOKENS) >= 10, 60, "10 requests mid-generation")
         fault_at = time.monotonic()
         r = redis.Redis.from_url(url)
         killed = 0
@@ -162,10 +162,13 @@ def test_two_workers_reclaiming_at_once_never_run_a_request_twice(llama_dir, aof
     first = worker(llama_dir, url, "first").start()
     b, c = worker(llama_dir, url, "b"), worker(llama_dir, url, "c")
     traffic = Traffic(url, prompts, MAX_TOKENS)
+    fault_at = 0.0
 
     async def during():
-        await wait_for(lambda: sum(x > 0 for x in progress(url, list(prompts))) >= 15, 60, "progress")
+        nonlocal fault_at
+        await wait_for(lambda: mid_flight(url, prompts, MAX_TOKENS) >= 15, 60, "15 requests mid-generation")
         first.kill()
+        fault_at = time.monotonic()
         await asyncio.gather(asyncio.to_thread(b.start), asyncio.to_thread(c.start))
 
     try:
@@ -175,6 +178,8 @@ def test_two_workers_reclaiming_at_once_never_run_a_request_twice(llama_dir, aof
         c.stop()
         first.stop()
     o = score(Outcome("two workers reclaim at once", len(prompts)), url, list(prompts), expected, traffic.streamed)
+    o.recovery_s = round(max(traffic.finished_at.values()) - fault_at, 2)
+    assert o.resumed >= 1
     for rid in prompts:
         starts = [e for e in raw_events(url, rid) if isinstance(e, Started)]
         attempts = [s.attempt for s in starts]
@@ -255,7 +260,7 @@ def test_sigterm_hands_unfinished_work_over(llama_dir, aof_redis, reference):
 
     async def during():
         nonlocal fault_at
-        await wait_for(lambda: sum(x > 0 for x in progress(url, list(prompts))) >= 10, 60, "progress")
+        await wait_for(lambda: mid_flight(url, prompts, MAX_TOKENS * 3) >= 10, 60, "10 requests mid-generation")
         fault_at = time.monotonic()
         leaving.signal(15)
 
@@ -277,4 +282,4 @@ def test_sigterm_hands_unfinished_work_over(llama_dir, aof_redis, reference):
     )
     o.wrong = sum(traffic.streamed[rid] != out.outputs[0].token_ids for rid, out in zip(prompts, outs, strict=True))
     _assert_clean(o.record())
-    assert o.completed == len(prompts)
+    assert o.completed == len(prompts) and o.resumed >= 1

@@ -208,17 +208,9 @@ class Control:
             m.labels(m.queue_length, lane=lane).set(length)
         self.state = state
 
-    def update_engine_gauges(self) -> None:
-        """Engine-side gauges and counters (cheap; called from the loop every second)."""
-        eng, kv, m = self.engine, self.engine.kv, self.metrics
-        m.labels(m.requests_running).set(len(eng.scheduler.running))
-        m.labels(m.requests_waiting).set(len(eng.scheduler.waiting))
-        m.labels(m.kv_usage).set(kv.usage)
-
-    async def summary(self) -> None:
-        eng, kv = self.engine, self.engine.kv
-        stats = kv.stats()
-        self.metrics.labels(self.metrics.kv_waste).set(stats.waste)
+    def summary(self, stats) -> None:
+        """The periodic one-line summary (`stats`: the engine thread's latest KVCacheStats)."""
+        eng = self.engine
         state = getattr(self, "state", None) or {}
         hit = stats.prefix_hits_tokens / stats.prefix_queries_tokens if stats.prefix_queries_tokens else 0.0
         self.log.info(
@@ -228,7 +220,7 @@ class Control:
             running=len(eng.scheduler.running),
             waiting=len(eng.scheduler.waiting),
             in_flight=len(self.inflight),
-            kv_usage=f"{kv.usage:.1%}",
+            kv_usage=f"{stats.usage:.1%}",
             prefix_hit_rate=f"{hit:.1%}",
             preemptions=eng.stats.num_preemptions,
         )

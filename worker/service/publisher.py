@@ -138,7 +138,7 @@ class Publisher:
             return Error(seq=seq, code="engine_error", message=out.error)
         m = out.metrics
         ms = lambda s: None if s is None else round(s * 1000, 3)
-        completion = sum(len(d) for d in rec.delivered) + sum(len(c.delta_token_ids) for c in out.outputs)
+        completion = sum(len(c.token_ids) for c in out.outputs)  # cumulative, resumed tokens included
         return Finished(
             seq=seq,
             finish_reason=out.outputs[0].finish_reason or "abort",

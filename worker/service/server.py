@@ -72,6 +72,8 @@ class WorkerService:
         self._engine_stop = threading.Event()
         self._engine_error: BaseException | None = None
         self._last_counts = (0, 0, 0, 0, 0)
+        self._gauges_at: float | None = None
+        self.kv_stats = engine.kv.stats()
         self._background: set[asyncio.Task] = set()
         seqs = engine.scheduler_config.max_num_seqs
         self.headroom = config.intake_headroom if config.intake_headroom is not None else max(1, seqs // 8)
@@ -105,6 +107,9 @@ class WorkerService:
         eng = self.engine
         while not self._engine_stop.is_set():
             if not eng.has_unfinished_requests():
+                if self._gauges_at is not None:  # went idle: the gauges show it at once
+                    self._record_gauges(force=True)
+                    self._gauges_at = None
                 self._engine_wake.wait(0.05)
                 self._engine_wake.clear()
                 continue
@@ -148,6 +153,21 @@ class WorkerService:
         if st.last_step_tokens:
             m.labels(m.step_tokens).observe(st.last_step_tokens)
             m.labels(m.step_seconds).observe(seconds)
+        self._record_gauges()
+
+    def _record_gauges(self, force: bool = False) -> None:
+        """Engine gauges, from the engine thread (the only one that may walk the KV tables), at most
+        twice a second."""
+        now = time.monotonic()
+        if not force and self._gauges_at is not None and now - self._gauges_at < 0.5:
+            return
+        self._gauges_at = now
+        eng, m = self.engine, self.metrics
+        self.kv_stats = eng.kv.stats()
+        m.labels(m.requests_running).set(len(eng.scheduler.running))
+        m.labels(m.requests_waiting).set(len(eng.scheduler.waiting))
+        m.labels(m.kv_usage).set(self.kv_stats.usage)
+        m.labels(m.kv_waste).set(self.kv_stats.waste)
 
     # --- a failed step -------------------------------------------------------------------------
 
@@ -244,7 +264,7 @@ class WorkerService:
             asyncio.create_task(every(cfg.renew_interval_s, c.renew, self.log, "renew"), name="renew"),
             asyncio.create_task(every(cfg.reclaim_interval_s, c.reclaim, self.log, "reclaim"), name="reclaim"),
             asyncio.create_task(every(cfg.heartbeat_interval_s, self._beat, self.log, "heartbeat"), name="beat"),
-            asyncio.create_task(every(cfg.summary_interval_s, c.summary, self.log, "summary"), name="summary"),
+            asyncio.create_task(every(cfg.summary_interval_s, self._summary, self.log, "summary"), name="summary"),
             asyncio.create_task(every(2.0, c.sweep_cancels, self.log, "cancel sweep"), name="sweep"),
         ]
         arq_worker = self._start_arq(tasks) if cfg.arq_queue else None
@@ -285,6 +305,9 @@ class WorkerService:
         await self.blocking_redis.aclose()
         self.log.info("worker stopped", exit_code=rc)
         return rc
+
+    async def _summary(self) -> None:
+        self.control.summary(self.kv_stats)
 
     def stop(self) -> None:
         if not self.stopping.is_set():
@@ -338,7 +361,6 @@ class WorkerService:
             coro = self.intake.run()
 
     async def _beat(self) -> None:
-        self.control.update_engine_gauges()
         await self.control.heartbeat()
         if self.config.max_queue_len:
             await self.redis.hset(keys.config(self.model), "max_queue_len", self.config.max_queue_len)
