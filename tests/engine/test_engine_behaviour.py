@@ -293,3 +293,22 @@ def test_extreme_seeds_with_parallel_samples(engine):
     finals = drain(engine)
     assert all(len(c.token_ids) == 3 for o in finals.values() for c in o.outputs)
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("partials", [1, 2])
+def test_long_prompts_take_turns_in_chunked_prefill(llama_dir, partials):
+    eng = LLMEngine(
+        model=str(llama_dir),
+        dtype="float32",
+        device="cpu",
+        long_prefill_token_threshold=64,
+        max_num_partial_prefills=partials,
+    )
+    for i in range(2):
+        eng.add_request(f"long{i}", prompt_token_ids=[5 + i] * 300, params=SamplingParams(max_tokens=2))
+    eng.add_request("short", prompt_token_ids=[7] * 20, params=SamplingParams(max_tokens=2))
+    eng.step()
+    # the short prompt fits whole (not a partial prefill); the long ones chunk 64 at a time
+    assert eng.stats.last_step_tokens == 20 + 64 * partials
+    drain(eng)
+    assert_clean(eng)

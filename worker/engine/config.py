@@ -43,6 +43,7 @@ class EngineConfig:
     scheduling_policy: str = _opt("fcfs", "fcfs | priority (higher priority first, then arrival)")
     watermark: float = _opt(0.01, "fraction of KV blocks kept free for running sequences at admission")
     long_prefill_token_threshold: int = _opt(0, "cap on one prompt chunk per step (0: the step budget)")
+    max_num_partial_prefills: int = _opt(1, "prompts that may be part-way through a chunked prefill at once")
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
     max_logprobs: int = _opt(20, "most top logprobs a request may ask for")
 
@@ -75,6 +76,8 @@ class EngineConfig:
             raise bad("watermark", "must be in [0, 1)")
         if self.long_prefill_token_threshold < 0:
             raise bad("long_prefill_token_threshold", "must be >= 0")
+        if self.max_num_partial_prefills < 1:
+            raise bad("max_num_partial_prefills", "must be at least 1")
 
     # --- command line ----------------------------------------------------------------------
 
@@ -130,6 +133,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     policy: str
     long_prefill_token_threshold: int
+    max_num_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

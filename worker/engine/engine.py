@@ -82,6 +82,7 @@ class LLMEngine:
             enable_chunked_prefill=chunked,
             policy=cfg.scheduling_policy,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            max_num_partial_prefills=cfg.max_num_partial_prefills,
         )
         self.runner = ModelRunner(
             loaded,

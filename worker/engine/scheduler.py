@@ -165,11 +165,23 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap and self.config.enable_chunked_prefill else n
 
+    def _partial(self, seq: Sequence, n: int) -> bool:
+        """This chunk leaves the sequence's prompt unfinished: it is a partial (chunked) prefill."""
+        return seq.num_computed_tokens + n < seq.num_tokens
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        partials = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget)
+            if self._partial(seq, n):
+                # Long prompts take turns: each one's chunk attends to its whole context, so several
+                # at once would multiply the stall every running decode sees.
+                if partials >= self.config.max_num_partial_prefills:
+                    i += 1
+                    continue
+                partials += 1
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -183,6 +195,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         cfg = self.config
+        deferred: list[Sequence] = []  # long prompts waiting for their turn; shorter ones may pass
         while len(self.waiting) and budget > 0:
             seq = self.waiting.peek()
             if seq.request.isolated and (self.running or out.scheduled):
@@ -198,6 +211,14 @@ class Scheduler:
                 break
             seq.num_computed_tokens = num_cached
             n = self._chunk(seq, budget)
+            if (
+                cfg.enable_chunked_prefill
+                and self._partial(seq, n)
+                and self._partials(out) >= cfg.max_num_partial_prefills
+            ):
+                seq.num_computed_tokens = 0
+                deferred.append(self.waiting.pop())
+                continue
             if not self.kv.allocate(seq.seq_id, num_cached + n, hits, keep_watermark=True):
                 seq.num_computed_tokens = 0
                 break
@@ -213,7 +234,12 @@ class Scheduler:
             budget -= n
             if seq.request.isolated:
                 break
+        for seq in reversed(deferred):  # back at the front, in their order
+            self.waiting.push_front(seq)
         return budget
+
+    def _partials(self, out: SchedulerOutput) -> int:
+        return sum(self._partial(s.seq, s.num_new_tokens) for s in out.scheduled)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
