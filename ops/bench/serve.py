@@ -403,10 +403,13 @@ def plan_units(args: argparse.Namespace) -> int:
 
 
 def worker_engine(system: str, args: argparse.Namespace) -> dict:
+    """Engine options of a serving worker. Prefix caching is off: the saturation repeats, the Poisson
+    sweep and the long-prompt run send the same prompts again, and cache hits would flatter them
+    (the offline run, with unique prompts, gets none; the prefix benchmark measures caching)."""
     if system == "pagedq":
-        return {"long_prefill_token_threshold": args.chunk_cap}
+        return {"long_prefill_token_threshold": args.chunk_cap, "enable_prefix_caching": False}
     if system == "pagedq-nochunk":
-        return {"enable_chunked_prefill": False}
+        return {"enable_chunked_prefill": False, "enable_prefix_caching": False}
     return {}
 
 
