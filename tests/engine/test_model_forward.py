@@ -175,3 +175,24 @@ def test_sharded_checkpoint_loads(tmp_path, llama_dir):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     model = load_model(folder, dtype="float32", device="cpu").model
     assert torch.equal(model.norm.weight, weights["model.norm.weight"])
+
+
+@pytest.mark.slow
+def test_gguf_file_loads_and_matches_transformers():
+    """The GGUF path: the engine's model from the GGUF file computes transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.models.prepare import PrepareError, find_gguf
+
+    try:
+        gguf = find_gguf("smollm2")
+    except PrepareError as e:
+        pytest.fail(str(e))
+    ours = load_model(gguf, dtype="float32", device="cpu").model
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    h = PagedHarness(ours, 16, num_blocks=8, seed=0)
+    (got,) = h.step({0: ids})
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    assert rel_err(got, want) < 1e-4

@@ -115,7 +115,7 @@ def load_model(
     max_positions: int | None = None,
 ) -> LoadedModel:
     config, path = load_config(model)
-    cls = model_class(getattr(config, "architectures", None))
+    cls = model_class(getattr(config, "architectures", None), getattr(config, "model_type", None))
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
     with torch.device(dev):

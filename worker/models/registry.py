@@ -13,11 +13,22 @@ MODEL_REGISTRY: dict[str, type] = {
 }
 
 
+# GGUF files carry a model type but no `architectures` list.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
 class UnsupportedArchitecture(ValueError):
     pass
 
 
-def model_class(architectures: list[str] | None) -> type:
+def model_class(architectures: list[str] | None, model_type: str | None = None) -> type:
+    if not architectures and model_type in MODEL_TYPES:
+        architectures = [MODEL_TYPES[model_type]]
     for arch in architectures or []:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
