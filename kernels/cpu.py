@@ -11,6 +11,7 @@ reference. Prefill chunks are compute-bound matmuls that torch already does well
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -30,20 +31,28 @@ _lock = threading.Lock()
 _ext = None  # the module, False when it cannot be built, None before the first try
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, Arm `Features`); empty elsewhere."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware. Without it (plain AVX2, say) torch emulates bf16
+    matmuls and they run tens of times slower than fp32, so bf16 is only worth its smaller size here."""
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags())
 
 
 def _compile_flags() -> list[str]:
     flags = ["-O3", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c"]
     return flags
 

@@ -2,7 +2,7 @@
 static batching.
 
     python -m ops.bench.baseline_worker --model DIR --redis-url URL [--model-name default]
-        [--consumer NAME] [--dtype bfloat16] [--device cpu] [--threads 2] [--batch-size 16]
+        [--consumer NAME] [--dtype float32] [--device cpu] [--threads 2] [--batch-size 16]
 
 It is a consumer of the same group on the same lane streams, decodes entries with the protocol's
 strict `decode_request`, and answers on the same response streams: `Started`, one `Tokens` event per
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-url", default=os.environ.get("PAGEDQ_REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--model-name", default="default", help="key namespace pagedq:{name}:*")
     ap.add_argument("--consumer", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)

@@ -54,7 +54,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("common")
     g.add_argument("--quick", action="store_true", help="small and fast (tiny model unless --model): smoke")
     g.add_argument("--model", default=None, help="model folder, 'smollm2' or 'tiny' (default: smollm2; quick: tiny)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="auto: bf16 on a GPU or a CPU with native bf16, else fp32 (the fastest dtype here)",
+    )
     g.add_argument("--threads", type=int, default=2, help="torch threads of every measured process")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--requests", type=int, default=None, help="requests of the main workload (64; quick 8)")
@@ -146,7 +151,16 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
     elif args.hf_cb_sweep == ["none"]:
         args.hf_cb_sweep = []
     args.engine = _kv(args.engine_arg)
+    if args.dtype == "auto":
+        args.dtype = fastest_dtype(args.device)
     return args
+
+
+def fastest_dtype(device: str) -> str:
+    """Every system is measured in the same dtype: the fastest one this hardware has."""
+    from kernels.cpu import native_bf16
+
+    return "bfloat16" if device.startswith("cuda") or native_bf16() else "float32"
 
 
 def build_parser() -> argparse.ArgumentParser:

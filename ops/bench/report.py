@@ -79,6 +79,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _native_bf16() -> bool | None:
+    try:
+        from kernels.cpu import native_bf16
+    except ImportError:
+        return None
+    return native_bf16()
+
+
 def machine_info(threads: int | None = None, device: str = "cpu") -> dict:
     info: dict[str, Any] = {
         "cpu": cpu_model(),
@@ -87,6 +95,7 @@ def machine_info(threads: int | None = None, device: str = "cpu") -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_bf16": _native_bf16(),
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
     try:
@@ -633,7 +642,8 @@ def write_summary(out_dir: str | Path | None = None, command: str | None = None)
     lines = [
         "# pagedq benchmarks",
         "",
-        f"- Machine: {m.get('cpu')}, {m.get('cores')} cores{', GPU ' + m['gpu'] if m.get('gpu') else ''}; "
+        f"- Machine: {m.get('cpu')}, {m.get('cores')} cores{', GPU ' + m['gpu'] if m.get('gpu') else ''}"
+        f"{'' if m.get('cpu_bf16') is None else (', native bf16' if m['cpu_bf16'] else ', no native bf16')}; "
         f"torch {m.get('torch')}, transformers {m.get('transformers')}, Python {m.get('python')}",
         f"- Date: {', '.join(d for d in dates if d)}",
         f"- Command: {'; '.join(f'`{c}`' for c in commands) or '`' + (command or '?') + '`'}",

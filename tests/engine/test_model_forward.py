@@ -196,3 +196,20 @@ def test_gguf_file_loads_and_matches_transformers():
     with torch.inference_mode():
         want = hf(torch.tensor([ids])).logits[0]
     assert rel_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("declared", ["bfloat16", "float16", "float32", None])
+def test_auto_dtype_on_cpu_is_never_an_emulated_half(declared):
+    """A bf16 checkpoint on a CPU without native bf16 (AVX2 only) runs in fp32: emulated bf16
+    matmuls are tens of times slower. fp16 is never chosen on a CPU."""
+    from types import SimpleNamespace
+
+    from kernels.cpu import native_bf16
+    from worker.models.loader import resolve_dtype
+
+    got = resolve_dtype("auto", SimpleNamespace(dtype=declared), torch.device("cpu"))
+    if declared in ("bfloat16", "float16"):
+        assert got == (torch.bfloat16 if native_bf16() else torch.float32)
+    else:
+        assert got == torch.float32
+    assert resolve_dtype("bfloat16", SimpleNamespace(dtype=None), torch.device("cpu")) == torch.bfloat16

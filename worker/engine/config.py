@@ -22,7 +22,10 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 class EngineConfig:
     model: str = _opt("", "Hugging Face model folder (config.json + safetensors) or a .gguf file")
     tokenizer: str | None = _opt(None, "tokenizer folder (default: the model folder)")
-    dtype: str = _opt("auto", "auto | float32 | float16 | bfloat16 (auto: the checkpoint's, bf16 on CPU)")
+    dtype: str = _opt(
+        "auto",
+        "auto | float32 | float16 | bfloat16 (auto: the checkpoint's; on CPU bf16 only with native bf16, else fp32)",
+    )
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
     seed: int = _opt(0, "seed of the default sampling generator")
     block_size: int = _opt(16, "tokens per KV cache block")

@@ -1,6 +1,6 @@
 """LLM: the offline batch API, in vLLM's shape.
 
-llm = LLM(model="path/to/folder", dtype="bfloat16")
+llm = LLM(model="path/to/folder", dtype="auto")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 print(outputs[0].outputs[0].text)
 """

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import native_bf16
 from worker.models.registry import model_class
 
 _DTYPES = {
@@ -57,8 +58,9 @@ def resolve_dtype(dtype: str, config, device: torch.device) -> torch.dtype:
     if isinstance(declared, str):
         declared = _DTYPES.get(declared, torch.float32)
     chosen = declared if isinstance(declared, torch.dtype) else torch.float32
-    if device.type == "cpu" and chosen == torch.float16:
-        return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 has the same size
+    if device.type == "cpu" and chosen in (torch.float16, torch.bfloat16):
+        # fp16 matmuls are slow on CPUs; bf16 is fast only where the CPU does it natively.
+        return torch.bfloat16 if native_bf16() else torch.float32
     return chosen
 
 
