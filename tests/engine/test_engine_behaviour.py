@@ -312,3 +312,24 @@ def test_long_prompts_take_turns_in_chunked_prefill(llama_dir, partials):
     assert eng.stats.last_step_tokens == 20 + 64 * partials
     drain(eng)
     assert_clean(eng)
+
+
+def test_chat_template_is_sandboxed_and_messages_are_data(engine):
+    """Message text that looks like template code is rendered literally; a hostile template cannot
+    reach Python internals (jinja2's sandbox) and fails as a typed error of that request only."""
+    literal = "{{ 7 * 7 }} {% for x in range(3) %}x{% endfor %}"
+    ids = engine.encode_prompt(messages=[{"role": "user", "content": literal}])
+    text = engine.tokenizer.decode(ids)
+    assert literal in text and "49" not in text
+    tok = engine.tokenizer
+    saved = tok.chat_template
+    try:
+        tok.chat_template = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+        with pytest.raises(RequestError, match="chat template failed"):
+            engine.encode_prompt(messages=[{"role": "user", "content": "hi"}])
+        tok.chat_template = "{{ raise_exception('only user and assistant roles') }}"
+        with pytest.raises(RequestError, match="only user and assistant roles"):
+            engine.encode_prompt(messages=[{"role": "tool", "content": "hi"}])
+    finally:
+        tok.chat_template = saved
+    assert engine.encode_prompt(messages=[{"role": "user", "content": "hi"}])

@@ -137,7 +137,13 @@ class LLMEngine:
         if messages is not None:
             if not self.tokenizer.chat_template:
                 raise RequestError("this model has no chat template: send a prompt instead of messages")
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # transformers renders templates in jinja2's immutable sandbox: a template cannot reach Python
+            # internals, and message contents are data, never template code. Whatever the template raises
+            # (its own raise_exception on bad roles, a sandbox violation) is this request's error.
+            try:
+                rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:
+                raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from e
             return self.tokenizer(rendered, add_special_tokens=False).input_ids
         return self.tokenizer(prompt).input_ids
 
