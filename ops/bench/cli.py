@@ -158,9 +158,11 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
 
 def fastest_dtype(device: str) -> str:
     """Every system is measured in the same dtype: the fastest one this hardware has."""
-    from kernels.cpu import native_bf16
+    import torch
 
-    return "bfloat16" if device.startswith("cuda") or native_bf16() else "float32"
+    from worker.models.loader import bf16_is_fast
+
+    return "bfloat16" if bf16_is_fast(torch.device(device)) else "float32"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -196,6 +196,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         cfg = self.config
         deferred: list[Sequence] = []  # long prompts waiting for their turn; shorter ones may pass
+        partials = sum(self._partial(s.seq, s.num_new_tokens) for s in out.scheduled)
         while len(self.waiting) and budget > 0:
             seq = self.waiting.peek()
             if seq.request.isolated and (self.running or out.scheduled):
@@ -211,11 +212,8 @@ class Scheduler:
                 break
             seq.num_computed_tokens = num_cached
             n = self._chunk(seq, budget)
-            if (
-                cfg.enable_chunked_prefill
-                and self._partial(seq, n)
-                and self._partials(out) >= cfg.max_num_partial_prefills
-            ):
+            partial = cfg.enable_chunked_prefill and self._partial(seq, n)
+            if partial and partials >= cfg.max_num_partial_prefills:
                 seq.num_computed_tokens = 0
                 deferred.append(self.waiting.pop())
                 continue
@@ -232,14 +230,12 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            partials += partial
             if seq.request.isolated:
                 break
         for seq in reversed(deferred):  # back at the front, in their order
             self.waiting.push_front(seq)
         return budget
-
-    def _partials(self, out: SchedulerOutput) -> int:
-        return sum(self._partial(s.seq, s.num_new_tokens) for s in out.scheduled)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -60,8 +60,14 @@ def resolve_dtype(dtype: str, config, device: torch.device) -> torch.dtype:
     chosen = declared if isinstance(declared, torch.dtype) else torch.float32
     if device.type == "cpu" and chosen in (torch.float16, torch.bfloat16):
         # fp16 matmuls are slow on CPUs; bf16 is fast only where the CPU does it natively.
-        return torch.bfloat16 if native_bf16() else torch.float32
+        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
     return chosen
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """GPUs multiply bf16 natively; CPUs only with avx512_bf16/AMX (or Arm bf16): elsewhere torch
+    emulates it, tens of times slower than fp32."""
+    return device.type != "cpu" or native_bf16()
 
 
 def load_config(model: str | Path):
