@@ -274,8 +274,9 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def _sampling_problems(s: SamplingParams, lim: Limits):
-    """Yield (field, problem) for each broken rule of `s`."""
+def sampling_problems(s: Any, lim: Limits):
+    """Yield (field, problem) for each broken rule of `s`: the one rule set of sampling parameters,
+    applied to the wire struct and to the engine's `SamplingParams` alike (any object with these fields)."""
     if not 1 <= s.n <= lim.max_n:
         yield "n", f"must be in [1, {lim.max_n}]"
     if s.max_tokens is not None and not 1 <= s.max_tokens <= lim.max_tokens:
@@ -347,7 +348,7 @@ def _request_problems(r: GenerateRequest, lim: Limits):
     if not isinstance(r.request_id, str) or not REQUEST_ID_PATTERN.fullmatch(r.request_id):
         yield "request_id", "must match ^[A-Za-z0-9_-]{8,64}$"
     yield from _prompt_problems(r, lim)
-    for name, why in _sampling_problems(r.sampling, lim):
+    for name, why in sampling_problems(r.sampling, lim):
         yield f"sampling.{name}", why
     if not -lim.max_priority <= r.priority <= lim.max_priority:
         yield "priority", f"must be in [-{lim.max_priority}, {lim.max_priority}]"
@@ -526,6 +527,7 @@ __all__ = [
     "encode_request",
     "lane_for_priority",
     "now_ms",
+    "sampling_problems",
     "schema_error",
     "validate",
 ]
