@@ -23,58 +23,9 @@ def _env(name: str, default=None):
     return os.environ.get("PAGEDQ_" + name.upper(), default)
 
 
-def add_service_args(parser: argparse.ArgumentParser, redis_default: str | None = "redis://127.0.0.1:6379/0") -> None:
-    g = parser.add_argument_group("service")
-    g.add_argument(
-        "--redis-url",
-        default=_env("redis_url", redis_default),
-        help="Redis to serve (env PAGEDQ_REDIS_URL); redis://user:pass@host, rediss:// for TLS",
-    )
-    g.add_argument(
-        "--model-name", default=_env("model_name", "default"), help="key namespace pagedq:{name}:* (the SDK's model=)"
-    )
-    g.add_argument("--consumer", default=_env("consumer"), help="consumer name (default host-pid)")
-    g.add_argument(
-        "--max-queue-len",
-        type=int,
-        default=_env("max_queue_len"),
-        help="refuse submits (QueueFull) beyond this many outstanding entries per lane",
-    )
-    g.add_argument(
-        "--metrics-port",
-        type=int,
-        default=_env("metrics_port"),
-        help="serve Prometheus /metrics on this port (0 = any free port)",
-    )
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=float(_env("drain_timeout", 30.0)),
-        help="seconds to finish in-flight work on SIGTERM before handing it over",
-    )
-    g.add_argument(
-        "--claim-idle-ms",
-        type=int,
-        default=int(_env("claim_idle_ms", 30000)),
-        help="an entry idle this long is taken over from its (dead) worker",
-    )
-    g.add_argument(
-        "--max-deliveries",
-        type=int,
-        default=int(_env("max_deliveries", 3)),
-        help="dead-letter a request delivered this many times without finishing",
-    )
-    g.add_argument(
-        "--result-ttl",
-        type=int,
-        default=int(_env("result_ttl", 86400)),
-        help="seconds a response stream is kept after its last event",
-    )
-    g.add_argument(
-        "--arq-queue",
-        default=_env("arq_queue"),
-        help="also serve pagedq_generate jobs of this arq queue (pip install 'pagedq[arq]')",
-    )
+def add_process_args(parser: argparse.ArgumentParser) -> None:
+    """Options of the process rather than the service: threads and logging."""
+    g = parser.add_argument_group("process")
     g.add_argument(
         "--threads", type=int, default=int(_env("threads", 0)), help="CPU threads for torch (default: torch's choice)"
     )
@@ -84,25 +35,6 @@ def add_service_args(parser: argparse.ArgumentParser, redis_default: str | None 
         action=argparse.BooleanOptionalAction,
         default=None,
         help="JSON log lines (default: JSON unless stderr is a terminal)",
-    )
-
-
-def service_config(args: argparse.Namespace, redis_url: str):
-    from worker.service.server import ServiceConfig
-
-    return ServiceConfig(
-        redis_url=redis_url,
-        model_name=args.model_name,
-        consumer=args.consumer,
-        max_queue_len=args.max_queue_len,
-        drain_timeout=args.drain_timeout,
-        claim_idle_ms=args.claim_idle_ms,
-        renew_interval_s=min(5.0, args.claim_idle_ms / 4000),
-        reclaim_interval_s=min(5.0, args.claim_idle_ms / 2000),
-        max_deliveries=args.max_deliveries,
-        result_ttl_s=args.result_ttl,
-        metrics_port=args.metrics_port,
-        arq_queue=getattr(args, "arq_queue", None),
     )
 
 
@@ -118,6 +50,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
+    from worker.service.config import ServiceConfig
     from worker.service.server import WorkerService
 
     log = get_logger("pagedq")
@@ -141,7 +74,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         max_model_len=engine.max_model_len,
         dtype=str(engine.runner.dtype),
     )
-    service = WorkerService(engine, service_config(args, args.redis_url))
+    service = WorkerService(engine, ServiceConfig.from_cli_args(args))
     return asyncio.run(service.run())
 
 
@@ -179,15 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     from worker.engine.config import EngineConfig
+    from worker.service.config import ServiceConfig
 
     worker = sub.add_parser("worker", help="serve requests from Redis with one engine")
     EngineConfig.add_cli_args(worker)
-    add_service_args(worker)
+    ServiceConfig.add_cli_args(worker)
+    add_process_args(worker)
     worker.set_defaults(func=_cmd_worker)
 
     up = sub.add_parser("up", help="local stack: private redis-server + the bundled model + one worker")
     EngineConfig.add_cli_args(up)
-    add_service_args(up, redis_default=None)
+    ServiceConfig.add_cli_args(up)
+    add_process_args(up)
+    # `up` starts its own redis-server unless --redis-url (or PAGEDQ_REDIS_URL) names one.
+    up.set_defaults(redis_url=_env("redis_url"))
     up.add_argument("--redis-port", type=int, default=None, help="port of the private redis-server (default: free)")
     up.set_defaults(func=_cmd_up, log_level="WARNING")
 

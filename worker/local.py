@@ -100,10 +100,10 @@ def run_up(args: argparse.Namespace) -> int:
             f"model loaded in {time.monotonic() - t0:.1f}s ({engine.runner.dtype}, {engine.runner.device}); "
             f"KV cache {engine.kv.num_blocks} blocks x {engine.kv.block_size} tokens = {kv_mib:.0f} MiB"
         )
-        from worker.cli import service_config
+        from worker.service.config import ServiceConfig
         from worker.service.server import WorkerService
 
-        service = WorkerService(engine, service_config(args, redis_url))
+        service = WorkerService(engine, ServiceConfig.from_cli_args(args, redis_url=redis_url))
         state.parent.mkdir(parents=True, exist_ok=True)
         state.write_text(json.dumps({"pid": os.getpid(), "redis_url": redis_url, "model": args.model_name}))
         say(f"serving model name {args.model_name!r}; point producers at {redis_url}")

@@ -4,18 +4,15 @@ scheduler get the derived, resolved `CacheConfig` and `SchedulerConfig` once the
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from worker.options import add_cli_args, from_cli_args
+from worker.options import option as _opt
 
 
 class ConfigError(ValueError):
     """An engine option is invalid; the message names the option and why."""
-
-
-def _opt(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
@@ -87,37 +84,11 @@ class EngineConfig:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
         """One `--flag` per field (env `PAGEDQ_<FIELD>` as the default where set)."""
-        group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            env = os.environ.get("PAGEDQ_" + f.name.upper())
-            default = f.default if env is None else env
-            if f.type in ("bool", bool):
-                if isinstance(default, str):
-                    default = default.lower() in ("1", "true", "yes", "on")
-                group.add_argument(
-                    flag, default=default, action=argparse.BooleanOptionalAction, help=f.metadata["help"]
-                )
-                continue
-            conv = f.metadata.get("type") or _converter(f.type)
-            group.add_argument(flag, default=default, type=conv, help=f.metadata["help"])
+        add_cli_args(cls, parser, "engine", skip=skip)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        values.update(overrides)
-        return cls(**values)
-
-
-def _converter(type_name: Any):
-    text = str(type_name)
-    if text.startswith("int"):
-        return int
-    if text.startswith("float"):
-        return float
-    return str
+        return from_cli_args(cls, args, **overrides)
 
 
 @dataclass(frozen=True)

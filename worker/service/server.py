@@ -18,43 +18,18 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from producer_sdk import keys
-from producer_sdk.protocol import DEFAULT_LIMITS, Limits
 from worker.engine.engine import LLMEngine, StepFailed
+from worker.service.config import ServiceConfig
 from worker.service.control import HANDOVER_IDLE_MS, Control, every
 from worker.service.inflight import InFlight, InFlightTable
 from worker.service.intake import Intake
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.publisher import REDIS_DOWN, Publisher
-
-
-@dataclass
-class ServiceConfig:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    model_name: str = "default"
-    consumer: str | None = None  # default: host-pid
-    max_queue_len: int | None = None
-    drain_timeout: float = 30.0
-    claim_idle_ms: int = 30_000  # an entry idle this long belongs to a dead worker
-    renew_interval_s: float = 5.0
-    reclaim_interval_s: float = 5.0
-    heartbeat_interval_s: float = 2.0
-    summary_interval_s: float = 10.0
-    max_deliveries: int = 3
-    result_ttl_s: int = 24 * 3600
-    intake_headroom: int | None = None  # entries pulled beyond free sequence slots
-    metrics_port: int | None = None
-    arq_queue: str | None = None  # also serve pagedq_generate jobs of this arq queue
-    limits: Limits = field(default_factory=lambda: DEFAULT_LIMITS)
-
-    def __post_init__(self) -> None:
-        if self.renew_interval_s * 1000 * 2 > self.claim_idle_ms:
-            raise ValueError("renew_interval_s must be well inside claim_idle_ms (at most half)")
 
 
 class WorkerService:

@@ -1,0 +1,58 @@
+"""Options of the Redis-facing worker service, each a `--flag` with a `PAGEDQ_<FIELD>` env default."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer_sdk.protocol import DEFAULT_LIMITS, Limits
+from worker.options import add_cli_args, from_cli_args, option
+
+
+@dataclass
+class ServiceConfig:
+    redis_url: str = option(
+        "redis://127.0.0.1:6379/0",
+        "Redis to serve (env PAGEDQ_REDIS_URL); redis://user:pass@host, rediss:// for TLS",
+    )
+    model_name: str = option("default", "key namespace pagedq:{name}:* (the SDK's model=)")
+    consumer: str | None = option(None, "consumer name (default host-pid)")
+    max_queue_len: int | None = option(
+        None, "refuse submits (QueueFull) beyond this many outstanding entries per lane", type=int
+    )
+    metrics_port: int | None = option(None, "serve Prometheus /metrics on this port (0 = any free port)", type=int)
+    drain_timeout: float = option(30.0, "seconds to finish in-flight work on SIGTERM before handing it over")
+    claim_idle_ms: int = option(30_000, "an entry idle this long is taken over from its (dead) worker")
+    max_deliveries: int = option(3, "dead-letter a request delivered this many times without finishing")
+    result_ttl: int = option(86400, "seconds a response stream is kept after its last event")
+    arq_queue: str | None = option(
+        None, "also serve pagedq_generate jobs of this arq queue (pip install 'pagedq[arq]')"
+    )
+    # Derived from claim_idle_ms unless set: renewal well inside the idle timeout.
+    renew_interval_s: float | None = None
+    reclaim_interval_s: float | None = None
+    heartbeat_interval_s: float = 2.0
+    summary_interval_s: float = 10.0
+    intake_headroom: int | None = None  # entries pulled beyond free sequence slots
+    limits: Limits = field(default_factory=lambda: DEFAULT_LIMITS)
+
+    def __post_init__(self) -> None:
+        if self.renew_interval_s is None:
+            self.renew_interval_s = min(5.0, self.claim_idle_ms / 4000)
+        if self.reclaim_interval_s is None:
+            self.reclaim_interval_s = min(5.0, self.claim_idle_ms / 2000)
+        if self.renew_interval_s * 1000 * 2 > self.claim_idle_ms:
+            raise ValueError("renew_interval_s must be well inside claim_idle_ms (at most half)")
+
+    @property
+    def result_ttl_s(self) -> int:
+        return self.result_ttl
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+        add_cli_args(cls, parser, "service", skip=skip)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> ServiceConfig:
+        return from_cli_args(cls, args, **overrides)
