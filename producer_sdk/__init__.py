@@ -25,6 +25,7 @@ from producer_sdk.errors import (
     RequestFailed,
     RequestLost,
     RequestTimeout,
+    StreamDiverged,
     ValidationError,
 )
 
@@ -92,6 +93,7 @@ __all__ = [
     "RequestLost",
     "RequestTimeout",
     "SamplingParams",
+    "StreamDiverged",
     "SyncHandle",
     "Timings",
     "Usage",

@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from producer_sdk import keys
 from producer_sdk._stream import Backoff, Follower, outcome, translate_redis_error
+from producer_sdk.contract import keys, scripts
 from producer_sdk.errors import (
     ProtocolError,
     QueueFull,
@@ -156,32 +156,9 @@ def split_submit_item(item: str | Mapping[str, Any]) -> tuple[tuple, dict[str, A
 
 # --- enqueue --------------------------------------------------------------------------------------
 
-# KEYS: lane stream, submitted marker, config hash.
-# ARGV: request id, payload, queue limit (<= 0: from the config hash), marker TTL in ms.
-ENQUEUE_SCRIPT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return {'duplicate'}
-end
-local limit = tonumber(ARGV[3]) or 0
-if limit <= 0 then
-  limit = tonumber(redis.call('HGET', KEYS[3], 'max_queue_len') or '') or 0
-end
-if limit > 0 then
-  local len = redis.call('XLEN', KEYS[1])
-  if len >= limit then
-    return {'full', len, limit}
-  end
-end
-local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'd', ARGV[2])
-redis.call('SET', KEYS[2], 1, 'PX', ARGV[4])
-return {'ok', entry}
-"""
-
 
 def enqueue_keys_args(p: Prepared, model: str, max_queue_len: int | None, ttl_s: float) -> tuple[list[str], list[Any]]:
-    ks = [keys.lane_stream(model, p.lane), keys.submitted_marker(p.request_id), keys.config(model)]
-    args = [p.request_id, p.payload, int(max_queue_len or 0), max(1, int(ttl_s * 1000))]
-    return ks, args
+    return scripts.enqueue_call(model, p.lane, p.request_id, p.payload, max_queue_len, int(ttl_s * 1000))
 
 
 def _s(x: Any) -> str:
@@ -194,20 +171,18 @@ class EnqueueResult(msgspec.Struct):
 
 
 def parse_enqueue_reply(reply: Any, p: Prepared) -> EnqueueResult:
-    """Interpret the script's reply; raise QueueFull for a full lane."""
-    status = _s(reply[0])
-    if status == "ok":
-        return EnqueueResult(False, _s(reply[1]))
-    if status == "duplicate":
-        return EnqueueResult(True, None)
-    if status == "full":
-        raise QueueFull(p.lane, int(reply[1]), int(reply[2]))
-    raise ProtocolError(f"unexpected reply from the enqueue script: {reply!r}")
+    """Interpret the script's reply; raise QueueFull for a full queue."""
+    try:
+        r = scripts.read_enqueue(reply)
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+    if r.status == "full":
+        raise QueueFull(p.lane, r.queued, r.limit)
+    return EnqueueResult(r.status == "duplicate", r.entry_id)
 
 
 # --- queue stats ---------------------------------------------------------------------------------
 
-LANE_NAMES = ("high", "normal", "low")
 _state_decoder = msgspec.json.Decoder(WorkerState)
 
 
@@ -232,7 +207,7 @@ class StatsReader:
         self._live: list[WorkerState] = []
 
     def queue_reads(self, pipe: Any) -> None:
-        for lane in LANE_NAMES:
+        for lane in keys.LANES:
             pipe.xlen(keys.lane_stream(self.model, lane))
         pipe.xlen(keys.dead_letters(self.model))
         pipe.zrange(self.heartbeats, 0, -1, withscores=True)
@@ -267,7 +242,7 @@ class StatsReader:
             limit = None
         return QueueStats(
             model=self.model,
-            lanes=dict(zip(LANE_NAMES, self._lanes)),
+            lanes=dict(zip(keys.LANES, self._lanes)),
             dead_letters=self._dead,
             workers=self._live,
             max_queue_len=limit if limit and limit > 0 else None,
@@ -484,7 +459,7 @@ class ClientBase:
             resubmit_lost=resubmit_lost,
             limits=limits,
         )
-        self._script = self._redis.register_script(ENQUEUE_SCRIPT)
+        self._script = self._redis.register_script(scripts.ENQUEUE)
 
     @property
     def model(self) -> str:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rex
 
-from producer_sdk import keys
+from producer_sdk.contract import keys
+from producer_sdk.contract.keys import EVENT_FIELD
 from producer_sdk.errors import (
     AuthenticationFailed,
     Cancelled,
@@ -21,8 +22,9 @@ from producer_sdk.errors import (
     RequestFailed,
     RequestLost,
     RequestTimeout,
+    StreamDiverged,
 )
-from producer_sdk.protocol import EVENT_FIELD, Error, Finished, Started, Timings, Tokens, Usage, decode_event
+from producer_sdk.protocol import Error, Finished, Started, Timings, Tokens, UnknownEvent, Usage, decode_event
 from producer_sdk.results import Choice, Chunk, Completion
 
 if TYPE_CHECKING:
@@ -183,6 +185,7 @@ class Follower:
         self.count = count
         self.last_id: bytes | str = b"0-0"
         self.expected_seq = 0
+        self.attempt = 0  # of the last Started event read
         self.builder = CompletionBuilder(request_id)
         self.finished: Finished | None = None
         self.failed: Error | None = None
@@ -222,6 +225,13 @@ class Follower:
             if data is None:
                 raise ProtocolError(f"request {self.request_id}: response entry {entry_id!r} has no event")
             ev = decode_event(data)
+            if isinstance(ev, Started) and ev.seq < self.expected_seq and ev.attempt != self.attempt:
+                raise StreamDiverged(
+                    f"request {self.request_id}: attempt {ev.attempt} restarted the stream at seq {ev.seq}, "
+                    f"after this reader saw up to seq {self.expected_seq - 1} of attempt {self.attempt} "
+                    "(Redis lost writes in a failover); read it again from the start",
+                    request_id=self.request_id,
+                )
             if ev.seq < self.expected_seq:
                 if isinstance(ev, (Finished, Error)):
                     # Never a duplicate (reading stops at the first terminal event): dropping it
@@ -237,11 +247,14 @@ class Follower:
                     "missing (trimmed or lost stream)"
                 )
             self.expected_seq += 1
+            if isinstance(ev, UnknownEvent):
+                continue  # written by a newer worker: its seq counts, its content is not ours to read
             if isinstance(ev, Tokens):
                 self.builder.add(ev)
                 yield Chunk(ev.text, ev.token_ids, ev.index, ev.logprobs, ev.top_logprobs, ev.seq)
             elif isinstance(ev, Started):
                 self.builder.worker = ev.worker
+                self.attempt = ev.attempt
             elif isinstance(ev, Finished):
                 self.finished = ev
             elif isinstance(ev, Error):

@@ -86,14 +86,15 @@ class PayloadTooLarge(ValidationError):
 
 
 class QueueFull(PagedqError):
-    """The priority lane holds `length` outstanding requests, at or above its `limit`.
+    """The model's queue (all priority lanes together) holds `length` outstanding requests, at or
+    above its `limit`; `lane` is the lane this request was for.
 
     From `submit_many`, `handles` lists one entry per input: the Handle of a request that was
-    enqueued, or None for one refused (only the full lane refuses; the others went through).
+    enqueued, or None for one refused (the others went through).
     """
 
     def __init__(self, lane: str, length: int, limit: int, *, handles: list | None = None) -> None:
-        super().__init__(f"queue full: lane {lane!r} holds {length} requests (limit {limit})")
+        super().__init__(f"queue full: {length} requests queued (limit {limit}); this one was for lane {lane!r}")
         self.lane = lane
         self.length = length
         self.limit = limit
@@ -149,6 +150,12 @@ class RequestLost(RequestError):
     data (a restart without persistence) or the result expired (`result_ttl_s`)."""
 
 
+class StreamDiverged(RequestError):
+    """The response stream was restarted by a new attempt that did not see events this reader had
+    already read (Redis lost writes in a failover): the text so far cannot be continued. Reading
+    the request again from the start gives the new attempt's consistent output."""
+
+
 class ConnectionLost(PagedqError, ConnectionError):
     """Redis stayed unreachable through every reconnect attempt."""
 
@@ -187,6 +194,7 @@ __all__ = [
     "RequestLost",
     "RequestTimeout",
     "SchemaError",
+    "StreamDiverged",
     "UnsupportedVersion",
     "ValidationError",
 ]

@@ -1,29 +1,16 @@
 """Wire protocol between producers (this SDK) and pagedq workers: msgpack via msgspec Structs.
 
-Redis contract (key names come from `producer_sdk.keys`; "model" is the key namespace)
------------------------------------------------------------------------------------------
-Request entry
-    ``XADD <keys.lane_stream(model, lane)> * id <request_id> d <msgpack GenerateRequest>``.
-    lane = `lane_for_priority(priority)`: priority > 0 -> "high", 0 -> "normal", < 0 -> "low".
-    `id` repeats the request id outside the payload, so a worker can answer an undecodable payload.
+Where these Structs live in Redis (keys, entry fields, the atomic Lua steps) is
+`producer_sdk.contract`.
 
-Atomic enqueue (one Lua script, `producer_sdk._core.ENQUEUE_SCRIPT`)
-    KEYS = lane stream, keys.submitted_marker(id), keys.config(model);
-    ARGV = request id, payload, queue limit (0: read ``HGET config max_queue_len``; absent or <= 0:
-    unlimited), marker TTL in ms. Replies ``["duplicate"]`` when the marker exists (nothing added:
-    an idempotent resubmit just follows the existing response stream), ``["full", xlen, limit]``
-    when ``XLEN lane >= limit`` (the SDK raises `QueueFull`), else XADDs the entry, sets the marker
-    (``SET marker 1 PX ttl``) and replies ``["ok", entry_id]``. Queue length = XLEN of the lane:
-    the worker XDELs an entry once its request finished, so it counts waiting + in flight.
-
-Responses
-    The worker ``XADD keys.response_stream(id) MAXLEN ~ <cap> * e <msgpack Event>`` and EXPIREs
-    the stream (default 24 h). Events carry `seq` = 0, 1, 2, ... per request, contiguous across
-    worker crashes (a new owner continues the numbering). A reader follows with
-    ``XREAD BLOCK <ms> STREAMS <key> <last id>`` from ``0-0``; it drops events with
-    seq < expected (duplicates) and treats seq > expected as a protocol error (a gap), as well as
-    a final event with seq < expected (it cannot be a duplicate: reading stops at the first).
-    `Finished` and `Error` are terminal. finish_reason: stop | length | abort | deadline.
+Events
+    Every event carries `seq` = 0, 1, 2, ... per request, contiguous across worker crashes (a new
+    owner continues the numbering), and `attempt`: which run of the request wrote it. A new
+    attempt begins with its `Started` event. A reader drops events with seq < expected
+    (duplicates), treats seq > expected as a protocol error (a gap), and a `Started` with
+    seq < expected as a diverged stream (the new attempt did not see events the reader saw: Redis
+    lost writes in a failover). `Finished` and `Error` are terminal. finish_reason: stop | length
+    | abort | deadline.
 
 Error codes
     An `Error` event for a refused request carries the `code` of the `ProtocolError` that
@@ -38,14 +25,6 @@ Cancel
 Deadline
     `GenerateRequest.deadline_ms` is absolute unix time in ms; the worker finishes the request
     with finish_reason "deadline" and never starts one already past it.
-
-Heartbeats
-    Each worker ``ZADD keys.heartbeats(model) <now_ms> <worker>`` and
-    ``SET keys.worker_state(model, worker) <JSON WorkerState> PX <3 x interval>``.
-
-Dead letters (worker)
-    ``XADD keys.dead_letters(model) * id <id or ''> reason <text> code <code> lane <lane>
-    entry <entry id> payload <raw bytes> worker <name>``.
 
 Strictness and evolution
 ------------------------
@@ -75,6 +54,7 @@ from typing import Any
 
 import msgspec
 
+from producer_sdk.contract.keys import lane_for_priority
 from producer_sdk.errors import (
     MalformedPayload,
     PayloadTooLarge,
@@ -86,11 +66,6 @@ from producer_sdk.errors import (
 
 PROTOCOL_VERSION = 1
 
-# Field names inside stream entries.
-ENTRY_ID_FIELD = "id"
-ENTRY_DATA_FIELD = "d"
-EVENT_FIELD = "e"
-
 DEFAULT_RESULT_TTL_S = 24 * 3600
 FINISH_REASONS = ("stop", "length", "abort", "deadline")
 ROLES = ("system", "user", "assistant", "tool")
@@ -99,11 +74,6 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def lane_for_priority(priority: int) -> str:
-    """Priority lane of a request: > 0 "high", 0 "normal", < 0 "low"."""
-    return "high" if priority > 0 else "low" if priority < 0 else "normal"
 
 
 # --- request --------------------------------------------------------------------------------------
@@ -207,6 +177,9 @@ class Timings(msgspec.Struct, omit_defaults=True):
 
 
 class Started(msgspec.Struct, tag="started", tag_field="type", kw_only=True, omit_defaults=True):
+    """The first event of an attempt (a run of the request by one worker). `seq` > 0 when the attempt
+    resumes a stream an earlier attempt began."""
+
     seq: int
     worker: str
     attempt: int = 1
@@ -216,6 +189,7 @@ class Tokens(msgspec.Struct, tag="tokens", tag_field="type", kw_only=True, omit_
     """New tokens of sample `index` (of `n`); `text` is the detokenized delta."""
 
     seq: int
+    attempt: int = 1
     index: int = 0
     token_ids: list[int]
     text: str = ""
@@ -225,6 +199,7 @@ class Tokens(msgspec.Struct, tag="tokens", tag_field="type", kw_only=True, omit_
 
 class Finished(msgspec.Struct, tag="finished", tag_field="type", kw_only=True, omit_defaults=True):
     seq: int
+    attempt: int = 1
     finish_reason: str
     finish_reasons: list[str] = []  # one per sample
     stop_reason: str | int | None = None  # the stop string or token id that ended sample 0
@@ -232,14 +207,24 @@ class Finished(msgspec.Struct, tag="finished", tag_field="type", kw_only=True, o
     timings: Timings = msgspec.field(default_factory=Timings)
 
 
-class Error(msgspec.Struct, tag="error", tag_field="type", kw_only=True):
+class Error(msgspec.Struct, tag="error", tag_field="type", kw_only=True, omit_defaults=True):
     seq: int
+    attempt: int = 1
     code: str
     message: str
 
 
 Event = Started | Tokens | Finished | Error
 TERMINAL_EVENTS = (Finished, Error)
+EVENT_TYPES = ("started", "tokens", "finished", "error")
+
+
+class UnknownEvent(msgspec.Struct, frozen=True):
+    """An event of a type this version does not know (a newer worker wrote it). Readers skip it,
+    counting its seq, so a rolling upgrade that adds an event type breaks no older reader."""
+
+    seq: int
+    type: str
 
 
 class ControlMessage(msgspec.Struct, omit_defaults=True):
@@ -473,10 +458,24 @@ def encode_event(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
-def decode_event(data: bytes | bytearray | memoryview) -> Event:
+class _EventEnvelope(msgspec.Struct):
+    type: str
+    seq: int
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_EventEnvelope)
+
+
+def decode_event(data: bytes | bytearray | memoryview) -> Event | UnknownEvent:
     try:
         return _event_decoder.decode(data)
     except msgspec.ValidationError as e:
+        try:
+            envelope = _envelope_decoder.decode(data)
+        except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError):
+            envelope = None
+        if envelope is not None and envelope.type not in EVENT_TYPES:
+            return UnknownEvent(seq=envelope.seq, type=envelope.type)
         raise schema_error(e, "response event") from None
     except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError) as e:
         raise _malformed(e, "response event") from None
@@ -498,9 +497,7 @@ def decode_control(data: bytes | bytearray | memoryview) -> ControlMessage:
 __all__ = [
     "DEFAULT_LIMITS",
     "DEFAULT_RESULT_TTL_S",
-    "ENTRY_DATA_FIELD",
-    "ENTRY_ID_FIELD",
-    "EVENT_FIELD",
+    "EVENT_TYPES",
     "FINISH_REASONS",
     "PROTOCOL_VERSION",
     "ROLES",
@@ -517,6 +514,7 @@ __all__ = [
     "Started",
     "Timings",
     "Tokens",
+    "UnknownEvent",
     "Usage",
     "WorkerState",
     "decode_control",

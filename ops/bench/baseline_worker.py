@@ -35,12 +35,10 @@ import msgspec
 import redis
 from redis.exceptions import ResponseError
 
-from producer_sdk import keys
+from producer_sdk.contract import keys
+from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, EVENT_FIELD
 from producer_sdk.errors import ProtocolError
 from producer_sdk.protocol import (
-    ENTRY_DATA_FIELD,
-    ENTRY_ID_FIELD,
-    EVENT_FIELD,
     REQUEST_ID_PATTERN,
     Error,
     Finished,

@@ -146,7 +146,7 @@ class Worker:
     def start(self, timeout: float = 300.0) -> Worker:
         import redis
 
-        from producer_sdk import keys
+        from producer_sdk.contract import keys
 
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)

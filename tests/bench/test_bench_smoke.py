@@ -24,8 +24,10 @@ from ops.bench.workloads import (
     mean_context,
     poisson_arrivals,
 )
-from producer_sdk import Client, keys
-from producer_sdk.protocol import EVENT_FIELD, Finished, Started, Tokens, decode_event
+from producer_sdk import Client
+from producer_sdk.contract import keys
+from producer_sdk.contract.keys import EVENT_FIELD
+from producer_sdk.protocol import Finished, Started, Tokens, decode_event
 
 VOCAB = 49152
 

@@ -23,8 +23,10 @@ from pathlib import Path
 
 import redis
 
-from producer_sdk import AsyncClient, keys
-from producer_sdk.protocol import EVENT_FIELD, Error, Finished, Started, Tokens, decode_event
+from producer_sdk import AsyncClient
+from producer_sdk.contract import keys
+from producer_sdk.contract.keys import EVENT_FIELD
+from producer_sdk.protocol import Error, Finished, Started, Tokens, decode_event
 from tests.service.worker_proc import WorkerProc
 
 REPORT = Path(os.environ.get("PAGEDQ_CHAOS_REPORT", Path(__file__).parent / ".chaos-report.jsonl"))

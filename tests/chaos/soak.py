@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 import msgspec
 import redis
 
-from producer_sdk import AsyncClient, keys
+from producer_sdk import AsyncClient
+from producer_sdk.contract import keys
 from producer_sdk.errors import Cancelled, DeadlineExceeded, RequestFailed
 from tests.service.worker_proc import WorkerProc
 from worker.service.redis_proc import RedisProcess

@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from producer_sdk import keys
+from producer_sdk.contract import keys
 from producer_sdk.protocol import Error, Started
 from tests.chaos.harness import Outcome, Traffic, mid_flight, progress, raw_events, score, wait_for, worker
 from worker import LLM, SamplingParams

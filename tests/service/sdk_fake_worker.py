@@ -22,12 +22,10 @@ import redis.exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 
-from producer_sdk import keys
+from producer_sdk.contract import keys
+from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, EVENT_FIELD
 from producer_sdk.errors import ProtocolError
 from producer_sdk.protocol import (
-    ENTRY_DATA_FIELD,
-    ENTRY_ID_FIELD,
-    EVENT_FIELD,
     Error,
     Event,
     Finished,

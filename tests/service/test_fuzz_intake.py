@@ -13,7 +13,8 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 
-from producer_sdk import Client, keys
+from producer_sdk import Client
+from producer_sdk.contract import keys
 from producer_sdk.protocol import (
     DEFAULT_LIMITS,
     Error,

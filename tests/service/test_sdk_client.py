@@ -20,9 +20,10 @@ from producer_sdk import (
     RequestFailed,
     RequestLost,
     RequestTimeout,
+    StreamDiverged,
     ValidationError,
-    keys,
 )
+from producer_sdk.contract import keys
 from producer_sdk.protocol import (
     Finished,
     Started,
@@ -122,14 +123,37 @@ async def test_duplicate_events_are_dropped(client, admin):
         [
             Started(seq=0, worker="w"),
             Tokens(seq=1, token_ids=[1], text="a"),
-            Tokens(seq=1, token_ids=[1], text="a"),  # republished after a worker restart
-            Started(seq=0, worker="w2", attempt=2),
-            Tokens(seq=2, token_ids=[2], text="b"),
-            Finished(seq=3, finish_reason="stop", finish_reasons=["stop"]),
+            Tokens(seq=1, token_ids=[1], text="a"),  # a duplicate from an unfenced writer
+            Started(seq=2, worker="w2", attempt=2),  # a second attempt resumes where the first ended
+            Tokens(seq=3, attempt=2, token_ids=[2], text="b"),
+            Finished(seq=4, attempt=2, finish_reason="stop", finish_reasons=["stop"]),
         ],
     )
     chunks = [c async for c in client.handle(rid).stream(timeout=5)]
     assert [c.text for c in chunks] == ["a", "b"]
+
+
+async def test_an_attempt_restarting_before_what_was_read_is_a_divergence(client, admin):
+    """Redis lost the tail of the stream in a failover and a new attempt restarted from what was left:
+    the reader must not splice the new attempt's text onto the old one."""
+    rid = "diverged_events_1"
+    admin.set(keys.submitted_marker(rid), 1)
+    _write_events(
+        admin,
+        rid,
+        [
+            Started(seq=0, worker="w"),
+            Tokens(seq=1, token_ids=[1], text="a"),
+            Tokens(seq=2, token_ids=[2], text="b"),
+            Started(seq=1, worker="w2", attempt=2),  # the new primary only had seq 0
+            Tokens(seq=2, attempt=2, token_ids=[9], text="z"),
+        ],
+    )
+    seen = []
+    with pytest.raises(StreamDiverged, match="attempt 2 restarted the stream at seq 1"):
+        async for c in client.handle(rid).stream(timeout=5):
+            seen.append(c.text)
+    assert seen == ["a", "b"]
 
 
 async def test_gap_in_events_is_a_protocol_error(client, admin):
@@ -207,7 +231,9 @@ async def test_queue_full_with_client_limit(redis_url):
             await c.submit("c")
         assert (info.value.lane, info.value.length, info.value.limit) == ("normal", 2, 2)
         assert "queue full" in str(info.value)
-        await c.submit("d", priority=1)  # the limit is per lane
+        with pytest.raises(QueueFull) as info:
+            await c.submit("d", priority=1)  # the limit covers the model's lanes together
+        assert (info.value.lane, info.value.length) == ("high", 2)
 
 
 async def test_queue_limit_is_atomic_under_concurrent_submits(redis_url, admin):
@@ -241,11 +267,11 @@ async def test_submit_many_pipelined(redis_url, client, admin):
     await client.submit("fill")
     with pytest.raises(QueueFull) as info:
         await client.submit_many(["x", "y", {"prompt": "z", "priority": 5}])
-    assert [h is not None for h in info.value.handles] == [True, False, True]
+    assert [h is not None for h in info.value.handles] == [True, False, False]
 
     with pytest.raises(ValidationError, match="item 1"):
         await client.submit_many(["ok", {"prompt": "bad", "top_p": 7}], priority=3)
-    assert lane_len(admin, "high") == 1  # nothing of the invalid batch was sent
+    assert lane_len(admin, "high") == 0  # nothing of the invalid batch was sent
 
 
 async def test_cancel_running(redis_url, client, admin):

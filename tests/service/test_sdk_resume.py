@@ -8,7 +8,8 @@ import pytest
 import redis
 from sdk_fake_worker import FakeWorker, wait_for
 
-from producer_sdk import AsyncClient, Client, ConnectionLost, RequestLost, keys
+from producer_sdk import AsyncClient, Client, ConnectionLost, RequestLost
+from producer_sdk.contract import keys
 from producer_sdk.sync import SyncHandle
 from worker.service.redis_proc import free_port
 

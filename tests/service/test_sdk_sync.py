@@ -8,7 +8,8 @@ import pytest
 import redis
 from sdk_fake_worker import FakeWorker, wait_for
 
-from producer_sdk import Cancelled, Client, QueueFull, RequestFailed, RequestTimeout, keys
+from producer_sdk import Cancelled, Client, QueueFull, RequestFailed, RequestTimeout
+from producer_sdk.contract import keys
 
 MODEL = "default"
 

@@ -9,7 +9,8 @@ import msgspec
 import pytest
 import redis
 
-from producer_sdk import AsyncClient, Client, keys
+from producer_sdk import AsyncClient, Client
+from producer_sdk.contract import keys
 from producer_sdk.errors import Cancelled, RequestFailed
 from producer_sdk.protocol import Error, Finished, Started, Tokens
 from tests.service.worker_proc import WorkerProc, response_events, wait_until

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import redis
 
-from producer_sdk import keys
-from producer_sdk.protocol import EVENT_FIELD, decode_event
+from producer_sdk.contract import keys
+from producer_sdk.contract.keys import EVENT_FIELD
+from producer_sdk.protocol import decode_event
 from worker.service.redis_proc import free_port
 
 

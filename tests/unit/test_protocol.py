@@ -35,6 +35,7 @@ from producer_sdk.protocol import (
     Started,
     Timings,
     Tokens,
+    UnknownEvent,
     Usage,
     WorkerState,
     decode_control,
@@ -153,8 +154,12 @@ def test_event_round_trip(event):
 
 def test_events_are_a_tagged_union_on_type():
     assert msgspec.msgpack.decode(encode_event(Started(seq=0, worker="w")))["type"] == "started"
+    # A type this version does not know (a newer worker's) decodes as UnknownEvent: readers skip it.
+    assert decode_event(pack({"type": "telepathy", "seq": 3})) == UnknownEvent(seq=3, type="telepathy")
     with pytest.raises(SchemaError, match="type"):
-        decode_event(pack({"type": "telepathy", "seq": 0}))
+        decode_event(pack({"type": 7, "seq": 0}))
+    with pytest.raises(SchemaError):
+        decode_event(pack({"type": "tokens", "seq": 0}))  # a known type with a missing field
 
 
 def test_events_ignore_unknown_fields_for_forward_compatibility():

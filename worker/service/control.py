@@ -14,16 +14,16 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from producer_sdk import keys
+from producer_sdk.contract import keys
+from producer_sdk.contract.scripts import CLAIM_OWN
 from producer_sdk.errors import ProtocolError
 from producer_sdk.protocol import decode_control
 from worker.engine.engine import LLMEngine
-from worker.service.inflight import InFlight, InFlightTable
-from worker.service.intake import Entry, Intake
+from worker.service.inflight import Entry, InFlight, InFlightTable
+from worker.service.intake import Intake
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
-from worker.service.publisher import REDIS_DOWN
-from worker.service.scripts import CLAIM_OWN
+from worker.service.retry import REDIS_DOWN
 
 HANDOVER_IDLE_MS = 10**12  # "idle forever": the next XAUTOCLAIM of any worker takes the entry
 

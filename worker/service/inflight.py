@@ -8,6 +8,17 @@ from producer_sdk.protocol import GenerateRequest
 
 
 @dataclass
+class Entry:
+    """A request entry as read from a lane stream."""
+
+    lane: str
+    stream: str
+    entry_id: str
+    fields: dict[bytes, bytes]
+    deliveries: int = 1
+
+
+@dataclass
 class InFlight:
     request_id: str
     lane: str

@@ -18,12 +18,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from producer_sdk import keys
+from producer_sdk.contract import keys
+from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, EVENT_FIELD
 from producer_sdk.errors import MalformedPayload, ProtocolError
 from producer_sdk.protocol import (
-    ENTRY_DATA_FIELD,
-    ENTRY_ID_FIELD,
-    EVENT_FIELD,
     REQUEST_ID_PATTERN,
     Error,
     Finished,
@@ -33,23 +31,18 @@ from producer_sdk.protocol import (
     Tokens,
     decode_event,
     decode_request,
-    encode_event,
     encode_request,
 )
 from worker.engine.engine import LLMEngine, RequestError
 from worker.engine.sampling_params import SamplingParams, SamplingParamsError
-from worker.service.inflight import InFlight, InFlightTable
+from worker.service.closer import EntryCloser
+from worker.service.inflight import Entry, InFlight, InFlightTable
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 
 
-@dataclass
-class Entry:
-    lane: str
-    stream: str
-    entry_id: str
-    fields: dict[bytes, bytes]
-    deliveries: int = 1
+class CorruptStream(Exception):
+    """A response stream holds an entry that is no event: the request cannot be resumed from it."""
 
 
 @dataclass
@@ -95,7 +88,7 @@ class Intake:
         model: str,
         consumer: str,
         limits: Limits,
-        ttl_ms: int,
+        closer: EntryCloser,
         metrics: WorkerMetrics,
         capacity: Callable[[], int],
         wake_engine: Callable[[], None],
@@ -104,7 +97,8 @@ class Intake:
         self.redis, self.blocking = redis, blocking_redis
         self.engine = engine
         self.inflight = inflight
-        self.model, self.consumer, self.limits, self.ttl_ms = model, consumer, limits, ttl_ms
+        self.model, self.consumer, self.limits = model, consumer, limits
+        self.closer = closer
         self.group = keys.group(model)
         self.streams = {lane: keys.lane_stream(model, lane) for lane in keys.LANES}
         self.metrics = metrics
@@ -272,68 +266,37 @@ class Intake:
 
     # --- answers without compute --------------------------------------------------------------
 
-    async def _answer(self, e: Entry, request_id: str, event) -> None:
-        """A final event written together with the ack, in one MULTI."""
-        pipe = self.redis.pipeline(transaction=True)
-        resp = keys.response_stream(request_id)
-        pipe.xadd(resp, {EVENT_FIELD: encode_event(event)}, maxlen=1000, approximate=True)
-        pipe.pexpire(resp, self.ttl_ms)
-        pipe.xack(e.stream, self.group, e.entry_id)
-        pipe.xdel(e.stream, e.entry_id)
-        await pipe.execute()
-        reason = getattr(event, "finish_reason", "error")
-        self.metrics.labels(self.metrics.requests_finished, finished_reason=reason).inc()
-        self.log.info("answered without compute", request_id=request_id, finish_reason=reason)
+    async def _answer(self, e: Entry, request_id: str, event: Finished) -> None:
+        await self.closer.answer(e, request_id, event)
 
-    async def _dead_letter(self, e: Entry, request_id: str | None, code: str, message: str, seq: int | None) -> None:
-        """Refuse an entry: Error event (if we can address it), dead-letter copy, ack; one MULTI."""
-        pipe = self.redis.pipeline(transaction=True)
-        if request_id is not None and seq is not None:
-            resp = keys.response_stream(request_id)
-            pipe.xadd(
-                resp,
-                {EVENT_FIELD: encode_event(Error(seq=seq, code=code, message=message))},
-                maxlen=1000,
-                approximate=True,
-            )
-            pipe.pexpire(resp, self.ttl_ms)
-        pipe.xadd(
-            keys.dead_letters(self.model),
-            {
-                "id": request_id or "",
-                "reason": message,
-                "code": code,
-                "lane": e.lane,
-                "entry": e.entry_id,
-                "payload": e.fields.get(ENTRY_DATA_FIELD.encode(), b""),
-                "worker": self.consumer,
-            },
-            maxlen=100_000,
-            approximate=True,
-        )
-        pipe.xack(e.stream, self.group, e.entry_id)
-        pipe.xdel(e.stream, e.entry_id)
-        await pipe.execute()
-        self.metrics.labels(self.metrics.dead_letters, code=code).inc()
-        if request_id is not None and seq is not None:
-            self.metrics.labels(self.metrics.requests_failed, code=code).inc()
-        self.log.warning("dead-lettered", request_id=request_id, code=code, reason=message, entry=e.entry_id)
+    async def _dead_letter(
+        self, e: Entry, request_id: str | None, code: str, message: str, seq: int | None, attempt: int = 1
+    ) -> None:
+        await self.closer.refuse(e, request_id, code, message, seq=seq, attempt=attempt)
 
     async def dead_letter_record(self, rec: InFlight, code: str, message: str) -> None:
         """Dead-letter a request this worker had accepted (its payload re-encoded)."""
         payload = encode_request(rec.request, limits=None)
         entry = Entry(rec.lane, rec.stream, rec.entry_id, {ENTRY_DATA_FIELD.encode(): payload}, rec.deliveries)
-        await self._dead_letter(entry, rec.request_id, code, message, seq=rec.next_seq)
+        await self._dead_letter(entry, rec.request_id, code, message, seq=rec.next_seq, attempt=rec.attempt)
 
     # --- reclaim ------------------------------------------------------------------------------
 
     async def read_previous_attempt(self, request_id: str) -> Resume:
-        """Replay the response stream a previous owner wrote."""
+        """Replay the response stream earlier attempts wrote. Events of types this version does not
+        know are skipped (their seq counted); an event that does not decode at all raises
+        `CorruptStream`: the stream cannot be continued safely."""
         raw = await self.redis.xrange(keys.response_stream(request_id))
         next_seq, attempt, finished = 0, 0, False
         delivered: list[list[int]] = []
-        for _, fields in raw:
-            ev = decode_event(fields[EVENT_FIELD.encode()])
+        for entry_id, fields in raw:
+            data = fields.get(EVENT_FIELD.encode())
+            try:
+                if data is None:
+                    raise MalformedPayload("entry has no event")
+                ev = decode_event(data)
+            except ProtocolError as err:
+                raise CorruptStream(f"response entry {entry_id!r} of request {request_id}: {err}") from None
             if ev.seq != next_seq:  # a duplicate from an unfenced writer: the first copy counts
                 continue
             next_seq += 1
@@ -358,12 +321,13 @@ class Intake:
             mine = self.inflight.get(rid)
             if mine is not None and mine.entry_id == e.entry_id:
                 continue  # our own entry, renewed late: the claim just reset its idle time
-            resume = await self.read_previous_attempt(rid)
+            try:
+                resume = await self.read_previous_attempt(rid)
+            except CorruptStream as err:
+                await self._dead_letter(e, rid, "stream_corrupt", str(err), seq=None)
+                continue
             if resume.finished:  # the final event made it, the ack did not: just ack
-                pipe = self.redis.pipeline(transaction=True)
-                pipe.xack(e.stream, self.group, e.entry_id)
-                pipe.xdel(e.stream, e.entry_id)
-                await pipe.execute()
+                await self.closer.ack(e, rid, resume.next_seq - 1)
                 continue
             if e.deliveries > max_deliveries:
                 msg = f"delivered {e.deliveries} times without finishing (max_deliveries={max_deliveries})"

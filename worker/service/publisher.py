@@ -1,11 +1,15 @@
-"""Writes engine outputs to the response streams: one atomic round trip per flush.
+"""Writes engine outputs to the response streams: one pipelined round trip per flush.
 
 The engine thread hands each step's outputs over (`put`, thread-safe through the event loop). A
 flush takes everything queued since the last one, merges it per request (several steps' tokens in
-one `Tokens` event per sample), and runs the PUBLISH script once: every request's events, and for
-finished ones the final event plus XACK and XDEL of the request entry, all atomic and fenced on
-ownership. While Redis is unreachable the batch is retried with backoff and the engine keeps
-generating; what piles up meanwhile goes out merged in the next flush.
+one `Tokens` event per sample), and runs the contract's `publish` step once per request, all in one
+pipeline: the events, and for a finished request its final event plus the ack of its entry, each
+fenced on ownership and idempotent by seq. So a call whose reply was lost can be sent again as it
+is: Redis skips what it already holds.
+
+Failures are handled per request: transient ones (Redis down, OOM, READONLY, BUSY, ...) are retried
+with jittered backoff while the engine keeps generating (what piles up goes out merged); a request
+whose call fails for good (a key of the wrong type, ...) is ended on its own (`on_failed`).
 """
 
 from __future__ import annotations
@@ -16,18 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer_sdk import keys
+from producer_sdk.contract import scripts
+from producer_sdk.contract.redis_errors import is_connection_error, is_transient
 from producer_sdk.protocol import Error, Finished, Started, Timings, Tokens, Usage, encode_event
 from worker.engine.outputs import RequestOutput
 from worker.service.inflight import InFlight, InFlightTable
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
-from worker.service.scripts import PUBLISH
+from worker.service.retry import Backoff
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 # Fault injection for the chaos tests (off unless set).
 _EXIT_BEFORE_FINAL = os.environ.get("PAGEDQ_FAULT_EXIT_BEFORE_FINAL_PUBLISH") == "1"
 
@@ -44,26 +46,48 @@ class _Pending:
     final: RequestOutput | None = None
 
 
+@dataclass
+class _Call:
+    """One `publish` call of a flush, until Redis has answered it for good."""
+
+    pending: _Pending
+    n_events: int
+    final: bool
+    keys: list[str]
+    args: list
+
+
+@dataclass
+class PublisherHooks:
+    """What the service does when a request's publish does not simply succeed."""
+
+    on_done: Callable[[InFlight], None]  # finished and retired
+    on_lost: Callable[[InFlight], None]  # another worker owns it now
+    on_gap: Callable[[InFlight, int], None]  # its stream lost events (last seq stored given)
+    on_failed: Callable[[InFlight, BaseException], None]  # Redis refuses its writes for good
+
+
 class Publisher:
     def __init__(
         self,
         redis: aioredis.Redis,
         inflight: InFlightTable,
+        hooks: PublisherHooks,
         *,
         model: str,
         group: str,
         consumer: str,
-        ttl_ms: int,
+        live_ttl_ms: int,
+        result_ttl_ms: int,
         metrics: WorkerMetrics,
-        on_lost: Callable[[InFlight], None],
-        on_done: Callable[[InFlight], None],
     ) -> None:
         self.redis = redis
         self.inflight = inflight
-        self.model, self.group, self.consumer, self.ttl_ms = model, group, consumer, ttl_ms
+        self.hooks = hooks
+        self.model, self.group, self.consumer = model, group, consumer
+        self.live_ttl_ms, self.result_ttl_ms = live_ttl_ms, result_ttl_ms
         self.metrics = metrics
-        self.on_lost, self.on_done = on_lost, on_done
-        self._script = redis.register_script(PUBLISH)
+        self._script = redis.register_script(scripts.PUBLISH)
         self._queue: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -87,6 +111,8 @@ class Publisher:
             if self._queue.empty():
                 self._idle.set()
 
+    # --- building the calls --------------------------------------------------------------------
+
     def _merge(self, batch: list[list[RequestOutput]]) -> list[_Pending]:
         merged: dict[str, _Pending] = {}
         for outputs in batch:
@@ -109,16 +135,18 @@ class Publisher:
 
     def _events(self, p: _Pending) -> tuple[list[bytes], bool]:
         """Encoded events for one request, and whether they end it. Sequence numbers are only
-        committed once the flush succeeded (`_commit`)."""
+        committed once Redis holds them (`_commit`)."""
         rec, seq, events = p.rec, p.rec.next_seq, []
+        attempt = rec.attempt
         if not rec.started:
-            events.append(Started(seq=seq, worker=self.consumer, attempt=rec.attempt))
+            events.append(Started(seq=seq, worker=self.consumer, attempt=attempt))
             seq += 1
         for index in sorted(set(p.tokens) | set(p.text)):
             lps = p.logprobs.get(index)
             events.append(
                 Tokens(
                     seq=seq,
+                    attempt=attempt,
                     index=index,
                     token_ids=p.tokens.get(index, []),
                     text=p.text.get(index, ""),
@@ -135,12 +163,13 @@ class Publisher:
     @staticmethod
     def _final_event(rec: InFlight, out: RequestOutput, seq: int) -> Finished | Error:
         if out.error:
-            return Error(seq=seq, code="engine_error", message=out.error)
+            return Error(seq=seq, attempt=rec.attempt, code="engine_error", message=out.error)
         m = out.metrics
         ms = lambda s: None if s is None else round(s * 1000, 3)
         completion = sum(len(c.token_ids) for c in out.outputs)  # cumulative, resumed tokens included
         return Finished(
             seq=seq,
+            attempt=rec.attempt,
             finish_reason=out.outputs[0].finish_reason or "abort",
             finish_reasons=[c.finish_reason or "abort" for c in out.outputs],
             stop_reason=out.outputs[0].stop_reason,
@@ -152,33 +181,81 @@ class Publisher:
             timings=Timings(queue_ms=ms(m.queue_time), ttft_ms=ms(m.ttft), e2e_ms=ms(m.e2e)),
         )
 
+    def _call(self, p: _Pending) -> _Call:
+        rec = p.rec
+        events, final = self._events(p)
+        ks, args = scripts.publish_call(
+            self.model,
+            rec.lane,
+            rec.request_id,
+            group=self.group,
+            consumer=self.consumer,
+            entry_id=rec.entry_id,
+            cap=rec.max_events,
+            live_ttl_ms=self.live_ttl_ms,
+            result_ttl_ms=self.result_ttl_ms,
+            first_seq=rec.next_seq,
+            events=events,
+            final=final,
+        )
+        return _Call(p, len(events), final, ks, args)
+
+    # --- running them --------------------------------------------------------------------------
+
     async def _flush(self, pending: list[_Pending]) -> None:
-        publish = []
+        calls = []
         for p in pending:
             if p.rec.live or p.tokens:
-                publish.append(p)
+                calls.append(self._call(p))
             elif p.final is not None:  # handed over, nothing left to write
                 self._retire(p.rec)
-        if not publish:
-            return
-        pending = publish
-        keys_, args = [], [self.group, self.consumer, self.ttl_ms]
-        built = []
-        for p in pending:
-            events, final = self._events(p)
-            built.append((p, len(events), final))
-            keys_ += [p.rec.stream, keys.response_stream(p.rec.request_id)]
-            args += [p.rec.entry_id, p.rec.max_events, int(final), len(events), *events]
-        if _EXIT_BEFORE_FINAL and any(final for _, _, final in built):
+        if _EXIT_BEFORE_FINAL and any(c.final for c in calls):
             os._exit(137)  # fault injection: die between the engine step and the final write
-        lost = await self._call_with_retry(keys_, args)
-        lost_set = {int(i) - 1 for i in lost}
-        for i, (p, n_events, final) in enumerate(built):
-            if i in lost_set:
-                p.rec.lost = True
-                self.on_lost(p.rec)
+        backoff = Backoff()
+        while calls:
+            calls = await self._run(calls)
+            if calls:
+                await asyncio.sleep(backoff.next())
+
+    async def _run(self, calls: list[_Call]) -> list[_Call]:
+        """One pipelined try; returns the calls to try again (transient failures)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for c in calls:
+            self._script(keys=c.keys, args=c.args, client=pipe)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            self._count_error(e, "publish failed, retrying")
+            return calls
+        retry = []
+        for c, reply in zip(calls, replies, strict=True):
+            if isinstance(reply, Exception):
+                if is_transient(reply):
+                    self._count_error(reply, "publish refused for now, retrying", request_id=c.pending.rec.request_id)
+                    retry.append(c)
+                else:
+                    self._count_error(reply, "publish refused", request_id=c.pending.rec.request_id)
+                    self.hooks.on_failed(c.pending.rec, reply)
                 continue
-            self._commit(p, n_events, final)
+            self._apply(c, scripts.read_publish(reply))
+        return retry
+
+    def _count_error(self, e: BaseException, msg: str, **kw) -> None:
+        self.metrics.labels(self.metrics.redis_errors).inc()
+        log = self.log.warning if is_connection_error(e) or is_transient(e) else self.log.error
+        log(msg, error=f"{type(e).__name__}: {e}", **kw)
+
+    def _apply(self, c: _Call, reply: scripts.PublishReply) -> None:
+        rec = c.pending.rec
+        if reply.status == "ok" or reply.status == "done":
+            self._commit(c.pending, c.n_events, c.final)
+        elif reply.status == "lost":
+            rec.lost = True
+            self.hooks.on_lost(rec)
+        else:  # gap: the stream holds less than this worker wrote (Redis lost writes)
+            self.hooks.on_gap(rec, reply.last_seq)
 
     def _commit(self, p: _Pending, n_events: int, final: bool) -> None:
         rec = p.rec
@@ -190,33 +267,37 @@ class Publisher:
             rec.delivered[index].extend(ids)
         if p.final is not None:
             if final:
-                self._record_finish(p.final)
+                self._record_finish(rec, p.final)
             self._retire(rec)
 
     def _retire(self, rec: InFlight) -> None:
         self.inflight.pop(rec.request_id, None)
-        self.on_done(rec)
+        self.hooks.on_done(rec)
 
-    def _record_finish(self, out: RequestOutput) -> None:
+    def _record_finish(self, rec: InFlight, out: RequestOutput) -> None:
         m, met = out.metrics, self.metrics
         if out.error:
             met.labels(met.requests_failed, code="engine_error").inc()
+            self.log.warning("request failed", request_id=rec.request_id, code="engine_error", error=out.error)
             return
-        met.labels(met.requests_finished, finished_reason=out.outputs[0].finish_reason or "abort").inc()
+        reason = out.outputs[0].finish_reason or "abort"
+        met.labels(met.requests_finished, finished_reason=reason).inc()
         for hist, value in ((met.queue_time, m.queue_time), (met.ttft, m.ttft), (met.e2e, m.e2e)):
             if value is not None:
                 met.labels(hist).observe(value)
         itl = met.labels(met.itl)
         for gap in m.inter_token_latencies:
             itl.observe(gap)
-
-    async def _call_with_retry(self, keys_: list[str], args: list) -> list:
-        delay = 0.05
-        while True:
-            try:
-                return await self._script(keys=keys_, args=args)
-            except REDIS_DOWN as e:
-                self.metrics.labels(self.metrics.redis_errors).inc()
-                self.log.warning("publish failed, retrying", error=str(e), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        ms = lambda s: None if s is None else round(s * 1000, 1)
+        self.log.info(
+            "request finished",
+            request_id=rec.request_id,
+            finish_reason=reason,
+            attempt=rec.attempt,
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+            cached_tokens=m.num_cached_tokens,
+            queue_ms=ms(m.queue_time),
+            ttft_ms=ms(m.ttft),
+            e2e_ms=ms(m.e2e),
+        )

@@ -21,15 +21,17 @@ import time
 
 import redis.asyncio as aioredis
 
-from producer_sdk import keys
+from producer_sdk.contract import keys
 from worker.engine.engine import LLMEngine, StepFailed
+from worker.service.closer import EntryCloser
 from worker.service.config import ServiceConfig
 from worker.service.control import HANDOVER_IDLE_MS, Control, every
-from worker.service.inflight import InFlight, InFlightTable
+from worker.service.inflight import Entry, InFlight, InFlightTable
 from worker.service.intake import Intake
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
-from worker.service.publisher import REDIS_DOWN, Publisher
+from worker.service.publisher import Publisher, PublisherHooks
+from worker.service.retry import REDIS_DOWN
 
 
 class WorkerService:
@@ -75,6 +77,27 @@ class WorkerService:
             rec.lost = True
             self.engine.abort_request(rid)
             self.intake.capacity_changed.set()
+
+    def _on_gap(self, rec: InFlight, last_seq: int) -> None:
+        """The response stream holds less than we wrote (Redis lost writes in a failover): stop this
+        attempt and release the entry, so a new attempt resumes from what the stream holds."""
+        self.log.error(
+            "response stream lost events; restarting the request", request_id=rec.request_id, last_seq=last_seq
+        )
+        self._on_lost(rec)
+        self._spawn(self.control.renew(HANDOVER_IDLE_MS, [rec]))
+
+    def _on_failed(self, rec: InFlight, error: BaseException) -> None:
+        """Redis refuses this request's writes for good (say its stream key holds another type)."""
+        self._on_lost(rec)
+        entry = Entry(rec.lane, rec.stream, rec.entry_id, {}, rec.deliveries)
+        msg = f"the response stream cannot be written: {type(error).__name__}: {error}"
+        self._spawn(self.closer.refuse(entry, rec.request_id, "stream_unwritable", msg, seq=None))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # --- the engine thread --------------------------------------------------------------------
 
@@ -148,9 +171,7 @@ class WorkerService:
 
     def _step_failed(self, request_ids: list[str], error: str) -> None:
         self.log.error("engine step failed", request_ids=request_ids, error=error)
-        task = asyncio.create_task(self._retry_or_dead_letter(request_ids, error))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._retry_or_dead_letter(request_ids, error))
 
     async def _retry_or_dead_letter(self, request_ids: list[str], error: str) -> None:
         """Each request of a failed step runs again alone, from the tokens already delivered; one that
@@ -183,6 +204,16 @@ class WorkerService:
         self.redis = aioredis.Redis.from_url(cfg.redis_url, health_check_interval=10)
         self.blocking_redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=None)
         ttl_ms = cfg.result_ttl_s * 1000
+        group = keys.group(self.model)
+        self.closer = EntryCloser(
+            self.redis,
+            model=self.model,
+            group=group,
+            consumer=self.consumer,
+            result_ttl_ms=ttl_ms,
+            dead_letter_ttl_ms=7 * 24 * 3600 * 1000,
+            metrics=self.metrics,
+        )
         self.intake = Intake(
             self.redis,
             self.blocking_redis,
@@ -191,7 +222,7 @@ class WorkerService:
             model=self.model,
             consumer=self.consumer,
             limits=cfg.limits,
-            ttl_ms=ttl_ms,
+            closer=self.closer,
             metrics=self.metrics,
             capacity=self.capacity,
             wake_engine=self.wake_engine,
@@ -199,13 +230,15 @@ class WorkerService:
         self.publisher = Publisher(
             self.redis,
             self.inflight,
+            PublisherHooks(
+                on_done=self._on_done, on_lost=self._on_lost, on_gap=self._on_gap, on_failed=self._on_failed
+            ),
             model=self.model,
-            group=keys.group(self.model),
+            group=group,
             consumer=self.consumer,
-            ttl_ms=ttl_ms,
+            live_ttl_ms=ttl_ms,
+            result_ttl_ms=ttl_ms,
             metrics=self.metrics,
-            on_lost=self._on_lost,
-            on_done=self._on_done,
         )
         self.control = Control(
             self.redis,

@@ -1,9 +1,21 @@
-"""Redis key names: the one place that spells them (worker and SDK both use this module)."""
+"""Redis key names and stream entry fields: the one place that spells them (worker and SDK)."""
 
 from __future__ import annotations
 
 PREFIX = "pagedq"
 LANES = ("high", "normal", "low")  # read in this order
+
+# Fields of a request entry: the request id (readable even when the payload is not) and the payload.
+ENTRY_ID_FIELD = "id"
+ENTRY_DATA_FIELD = "d"
+# Fields of a response entry: the msgpack event and its seq (what writers deduplicate on).
+EVENT_FIELD = "e"
+EVENT_SEQ_FIELD = "s"
+
+
+def lane_for_priority(priority: int) -> str:
+    """Priority lane of a request: > 0 "high", 0 "normal", < 0 "low"."""
+    return "high" if priority > 0 else "low" if priority < 0 else "normal"
 
 
 def lane_stream(model: str, lane: str = "normal") -> str:

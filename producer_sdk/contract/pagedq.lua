@@ -1,0 +1,125 @@
+-- pagedq's atomic steps on Redis: one library, one local function per step.
+-- Every script a client runs is this library followed by `return <step>(KEYS, ARGV)`
+-- (producer_sdk/contract/scripts.py), so all of the atomic logic lives in this one file.
+--
+-- Response streams hold one event per entry: field `e` = the msgpack event, `s` = its seq.
+-- Writes are idempotent by seq: an event whose seq is not above the last stored one is skipped,
+-- and a batch that would leave a gap is refused. A retried call (its reply lost on the way back)
+-- therefore never writes an event twice.
+
+-- The seq of the last event in a response stream, -1 when it holds none.
+local function last_seq(resp)
+  local top = redis.call('XREVRANGE', resp, '+', '-', 'COUNT', 1)
+  if #top == 0 then return -1 end
+  local fields = top[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 's' then return tonumber(fields[i + 1]) end
+  end
+  for i = 1, #fields, 2 do  -- an entry written before `s` existed
+    if fields[i] == 'e' then return tonumber(cmsgpack.unpack(fields[i + 1])['seq']) end
+  end
+  return -1
+end
+
+-- Whether `consumer` still owns the entry (it is pending under its name). A lane or group that is
+-- gone (Redis lost its data) owns nothing.
+local function owns(lane, group, consumer, entry)
+  local p = redis.pcall('XPENDING', lane, group, entry, entry, 1)
+  if type(p) ~= 'table' or p.err then return false end
+  return p[1] ~= nil and p[1][2] == consumer
+end
+
+-- Ack and delete a finished entry; with dead-letter fields, copy it to the dead-letter stream.
+-- ARGV from `at`: min id of the dead-letter stream (trims letters older than the retention), then
+-- field/value pairs (none: no dead letter).
+local function retire(lane, dead, group, entry, argv, at)
+  redis.call('XACK', lane, group, entry)
+  redis.call('XDEL', lane, entry)
+  if #argv > at then
+    local fields = {}
+    for i = at + 1, #argv do fields[#fields + 1] = argv[i] end
+    redis.call('XADD', dead, 'MINID', '~', argv[at], '*', unpack(fields))
+  end
+end
+
+-- Submit. KEYS: target lane, submitted marker, config hash, then every lane of the model.
+-- ARGV: request id, payload, queue limit (<= 0: the config hash's max_queue_len, else the default
+-- in ARGV[5]; <= 0 there too: unlimited), marker TTL ms, default limit.
+-- Reply: {'duplicate'} | {'full', queued, limit} | {'ok', entry id}.
+local function enqueue(KEYS, ARGV)
+  if redis.call('EXISTS', KEYS[2]) == 1 then return {'duplicate'} end
+  local limit = tonumber(ARGV[3]) or 0
+  if limit <= 0 then
+    limit = tonumber(redis.call('HGET', KEYS[3], 'max_queue_len') or '') or tonumber(ARGV[5]) or 0
+  end
+  if limit > 0 then
+    local queued = 0
+    for i = 4, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+    if queued >= limit then return {'full', queued, limit} end
+  end
+  local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'd', ARGV[2])
+  redis.call('SET', KEYS[2], 1, 'PX', ARGV[4])
+  return {'ok', entry}
+end
+
+-- Write one request's events, fenced on ownership and idempotent by seq; a final batch also acks
+-- (and optionally dead-letters) the request entry.
+-- KEYS: lane stream, response stream, dead-letter stream.
+-- ARGV: group, consumer, entry id, stream cap (0: none), live TTL ms, result TTL ms, first seq,
+-- final (0/1), event count n, the n events, then (final only) the dead-letter part of `retire`.
+-- Reply: {status, last seq stored}; status: 'ok' written (or already there), 'done' a final batch
+-- already applied (entry acked), 'lost' another worker owns the entry (nothing written),
+-- 'gap' the stream ends before first seq - 1 (nothing written).
+local function publish(KEYS, ARGV)
+  local lane, resp, dead = KEYS[1], KEYS[2], KEYS[3]
+  local group, consumer, entry = ARGV[1], ARGV[2], ARGV[3]
+  local cap, first, final, n = tonumber(ARGV[4]), tonumber(ARGV[7]), ARGV[8] == '1', tonumber(ARGV[9])
+  local last = last_seq(resp)
+  if not owns(lane, group, consumer, entry) then
+    if final and last >= first + n - 1 then return {'done', last} end
+    return {'lost', last}
+  end
+  if first > last + 1 then return {'gap', last} end
+  for j = 0, n - 1 do
+    local seq = first + j
+    if seq > last then
+      if cap > 0 then
+        redis.call('XADD', resp, 'MAXLEN', '~', cap, '*', 'e', ARGV[10 + j], 's', seq)
+      else
+        redis.call('XADD', resp, '*', 'e', ARGV[10 + j], 's', seq)
+      end
+    end
+  end
+  if n > 0 or final then
+    if redis.call('EXISTS', resp) == 1 then
+      redis.call('PEXPIRE', resp, final and ARGV[6] or ARGV[5])
+    end
+  end
+  if final then retire(lane, dead, group, entry, ARGV, 10 + n) end
+  return {'ok', math.max(last, first + n - 1)}
+end
+
+-- Refuse an entry that has no addressable response stream: ack, delete, dead-letter; fenced.
+-- KEYS: lane stream, dead-letter stream. ARGV: group, consumer, entry id, then `retire`'s part.
+-- Reply: 'ok' | 'lost'.
+local function drop(KEYS, ARGV)
+  if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then return 'lost' end
+  retire(KEYS[1], KEYS[2], ARGV[1], ARGV[3], ARGV, 4)
+  return 'ok'
+end
+
+-- Renew (idle 0) or hand over (idle huge) the entries a consumer still owns, without counting a
+-- delivery. KEYS: a lane stream. ARGV: group, consumer, idle ms, entry ids.
+-- Reply: the ids the consumer no longer owns.
+local function claim_own(KEYS, ARGV)
+  local group, consumer, idle = ARGV[1], ARGV[2], ARGV[3]
+  local lost = {}
+  for i = 4, #ARGV do
+    if owns(KEYS[1], group, consumer, ARGV[i]) then
+      redis.call('XCLAIM', KEYS[1], group, consumer, 0, ARGV[i], 'IDLE', idle, 'JUSTID')
+    else
+      lost[#lost + 1] = ARGV[i]
+    end
+  end
+  return lost
+end

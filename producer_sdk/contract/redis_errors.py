@@ -1,0 +1,32 @@
+"""Which Redis errors a retry can cure: the one classification the SDK and the worker share."""
+
+from __future__ import annotations
+
+import re
+
+import redis.exceptions as rex
+
+# The connection itself failed: Redis is down, restarting, or unreachable.
+CONNECTION_ERRORS = (rex.ConnectionError, rex.TimeoutError, OSError)
+
+# Server replies that mean "not now" rather than "never": busy with a script, loading its data, a
+# replica after a failover, persistence failing (MISCONF), out of memory under noeviction, a
+# script cache emptied by a restart, a cluster reconfiguring.
+_TRANSIENT_CLASSES = (rex.ReadOnlyError, rex.BusyLoadingError, rex.NoScriptError, rex.OutOfMemoryError)
+_TRANSIENT_CODES = re.compile(
+    r"\b(BUSY|LOADING|READONLY|MISCONF|OOM|TRYAGAIN|CLUSTERDOWN|NOSCRIPT|MASTERDOWN|NOREPLICAS|UNBLOCKED)\b"
+)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    return isinstance(exc, CONNECTION_ERRORS)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A connection error, or a server error that goes away by itself (retry with backoff)."""
+    if isinstance(exc, CONNECTION_ERRORS + _TRANSIENT_CLASSES):
+        return True
+    if isinstance(exc, rex.ResponseError):
+        # redis-py strips the code of the classes it knows; errors raised inside a script keep it.
+        return _TRANSIENT_CODES.search(str(exc)[:200]) is not None or str(exc).startswith("command not allowed")
+    return False

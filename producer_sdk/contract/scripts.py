@@ -1,0 +1,151 @@
+"""The Lua steps of the Redis contract (`pagedq.lua`), with their arguments built and replies read here.
+
+Each step is the whole library plus one `return <step>(KEYS, ARGV)` line, run with EVALSHA (redis-py's
+`Script` reloads it after a server restart). The builders and readers do no I/O, so the async and the
+blocking clients, and the worker, share them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+import msgspec
+
+from producer_sdk.contract import keys
+
+LIBRARY = resources.files("producer_sdk.contract").joinpath("pagedq.lua").read_text(encoding="utf-8")
+
+
+def _step(name: str) -> str:
+    return f"{LIBRARY}\nreturn {name}(KEYS, ARGV)\n"
+
+
+ENQUEUE = _step("enqueue")
+PUBLISH = _step("publish")
+DROP = _step("drop")
+CLAIM_OWN = _step("claim_own")
+
+DEFAULT_MAX_QUEUE_LEN = 10_000  # per model, all lanes together, unless a worker or the SDK sets one
+HANDOVER_IDLE_MS = 10**12  # "idle forever": the next XAUTOCLAIM of any worker takes the entry
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+# --- enqueue ------------------------------------------------------------------------------------
+
+
+def enqueue_call(
+    model: str, lane: str, request_id: str, payload: bytes, max_queue_len: int | None, marker_ttl_ms: int
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of `enqueue`."""
+    ks = [
+        keys.lane_stream(model, lane),
+        keys.submitted_marker(request_id),
+        keys.config(model),
+        *(keys.lane_stream(model, name) for name in keys.LANES),
+    ]
+    return ks, [request_id, payload, int(max_queue_len or 0), max(1, int(marker_ttl_ms)), DEFAULT_MAX_QUEUE_LEN]
+
+
+class EnqueueReply(msgspec.Struct, frozen=True):
+    status: str  # ok | duplicate | full
+    entry_id: str | None = None
+    queued: int = 0
+    limit: int = 0
+
+
+def read_enqueue(reply: Sequence[Any]) -> EnqueueReply:
+    status = _s(reply[0])
+    if status == "ok":
+        return EnqueueReply(status, entry_id=_s(reply[1]))
+    if status == "full":
+        return EnqueueReply(status, queued=int(reply[1]), limit=int(reply[2]))
+    if status == "duplicate":
+        return EnqueueReply(status)
+    raise ValueError(f"unexpected reply from the enqueue script: {reply!r}")
+
+
+# --- publish and drop (worker) ------------------------------------------------------------------
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """What the dead-letter stream keeps of a refused request: never the whole payload."""
+
+    request_id: str
+    code: str
+    reason: str
+    lane: str
+    entry_id: str
+    worker: str
+    payload_head: bytes  # the first bytes of the payload
+    payload_len: int
+    payload_sha1: str
+    min_id: str  # the stream drops letters older than this id (the retention)
+
+    def args(self) -> list[Any]:
+        return [
+            self.min_id,
+            *("id", self.request_id, "code", self.code, "reason", self.reason, "lane", self.lane),
+            *("entry", self.entry_id, "worker", self.worker, "payload", self.payload_head),
+            *("payload_len", self.payload_len, "payload_sha1", self.payload_sha1),
+        ]
+
+
+def publish_call(
+    model: str,
+    lane: str,
+    request_id: str,
+    *,
+    group: str,
+    consumer: str,
+    entry_id: str,
+    cap: int,
+    live_ttl_ms: int,
+    result_ttl_ms: int,
+    first_seq: int,
+    events: Sequence[bytes],
+    final: bool,
+    dead_letter: DeadLetter | None = None,
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of `publish`: events numbered first_seq, first_seq + 1, ..."""
+    ks = [keys.lane_stream(model, lane), keys.response_stream(request_id), keys.dead_letters(model)]
+    args: list[Any] = [group, consumer, entry_id, cap, live_ttl_ms, result_ttl_ms, first_seq, int(final)]
+    args += [len(events), *events]
+    if dead_letter is not None:
+        if not final:
+            raise ValueError("a dead letter goes with the final batch only")
+        args += dead_letter.args()
+    return ks, args
+
+
+class PublishReply(msgspec.Struct, frozen=True):
+    status: str  # ok | done | lost | gap
+    last_seq: int  # the last seq in the response stream after the call (-1: empty)
+
+
+def read_publish(reply: Sequence[Any]) -> PublishReply:
+    status = _s(reply[0])
+    if status not in ("ok", "done", "lost", "gap"):
+        raise ValueError(f"unexpected reply from the publish script: {reply!r}")
+    return PublishReply(status, int(reply[1]))
+
+
+def drop_call(
+    model: str, lane: str, *, group: str, consumer: str, entry_id: str, dead_letter: DeadLetter
+) -> tuple[list[str], list[Any]]:
+    return [keys.lane_stream(model, lane), keys.dead_letters(model)], [group, consumer, entry_id, *dead_letter.args()]
+
+
+def claim_own_call(
+    model: str, lane: str, *, group: str, consumer: str, idle_ms: int, entry_ids: Sequence[str]
+) -> tuple[list[str], list[Any]]:
+    return [keys.lane_stream(model, lane)], [group, consumer, idle_ms, *entry_ids]
+
+
+def read_claim_own(reply: Sequence[Any]) -> set[str]:
+    """The entry ids the consumer no longer owns."""
+    return {_s(x) for x in reply}

@@ -1,0 +1,120 @@
+"""Ends request entries without the engine, each in one atomic, fenced and idempotent contract step.
+
+- `answer`: a final event and the ack (a request cancelled or past its deadline while queued).
+- `refuse`: an `Error` event where the request can be addressed, a dead letter and the ack (an
+  undecodable or invalid entry, a poison request, one delivered too often).
+- `ack`: only the ack (a reclaimed request whose final event was already written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import msgspec
+import redis.asyncio as aioredis
+
+from producer_sdk.contract import scripts
+from producer_sdk.contract.keys import ENTRY_DATA_FIELD
+from producer_sdk.contract.scripts import DeadLetter
+from producer_sdk.protocol import Error, Finished, encode_event
+from worker.service.inflight import Entry
+from worker.service.logging import get_logger
+from worker.service.metrics import WorkerMetrics
+from worker.service.retry import retrying
+
+PAYLOAD_HEAD_BYTES = 512  # what a dead letter keeps of the payload (with its length and SHA-1)
+
+
+class EntryCloser:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        model: str,
+        group: str,
+        consumer: str,
+        result_ttl_ms: int,
+        dead_letter_ttl_ms: int,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.redis = redis
+        self.model, self.group, self.consumer = model, group, consumer
+        self.result_ttl_ms, self.dead_letter_ttl_ms = result_ttl_ms, dead_letter_ttl_ms
+        self.metrics = metrics
+        self._publish = redis.register_script(scripts.PUBLISH)
+        self._drop = redis.register_script(scripts.DROP)
+        self.log = get_logger("pagedq.intake", worker=consumer)
+
+    async def answer(self, e: Entry, request_id: str, event: Finished) -> None:
+        await self._call_publish(e, request_id, event.seq, event, None)
+        self.metrics.labels(self.metrics.requests_finished, finished_reason=event.finish_reason).inc()
+        self.log.info("answered without compute", request_id=request_id, finish_reason=event.finish_reason)
+
+    async def ack(self, e: Entry, request_id: str, last_seq: int) -> None:
+        await self._call_publish(e, request_id, last_seq + 1, None, None)
+
+    async def refuse(
+        self, e: Entry, request_id: str | None, code: str, message: str, *, seq: int | None, attempt: int = 1
+    ) -> None:
+        """Dead-letter an entry; with `seq`, the request's stream also gets an Error event."""
+        letter = self._letter(e, request_id, code, message)
+        if request_id is not None and seq is not None:
+            error = Error(seq=seq, attempt=attempt, code=code, message=message)
+            await self._call_publish(e, request_id, seq, error, letter)
+            self.metrics.labels(self.metrics.requests_failed, code=code).inc()
+        else:
+            ks, args = scripts.drop_call(
+                self.model, e.lane, group=self.group, consumer=self.consumer, entry_id=e.entry_id, dead_letter=letter
+            )
+            await retrying(lambda: self._drop(keys=ks, args=args), self._on_retry)
+        self.metrics.labels(self.metrics.dead_letters, code=code).inc()
+        self.log.warning("dead-lettered", request_id=request_id, code=code, reason=message, entry=e.entry_id)
+
+    def _letter(self, e: Entry, request_id: str | None, code: str, message: str) -> DeadLetter:
+        payload = e.fields.get(ENTRY_DATA_FIELD.encode(), b"")
+        payload = payload if isinstance(payload, bytes) else bytes(payload)
+        now_ms = int(time.time() * 1000)
+        return DeadLetter(
+            request_id=request_id or "",
+            code=code,
+            reason=message[:2000],
+            lane=e.lane,
+            entry_id=e.entry_id,
+            worker=self.consumer,
+            payload_head=payload[:PAYLOAD_HEAD_BYTES],
+            payload_len=len(payload),
+            payload_sha1=hashlib.sha1(payload).hexdigest(),
+            min_id=f"{max(now_ms - self.dead_letter_ttl_ms, 0)}-0",
+        )
+
+    async def _call_publish(
+        self, e: Entry, request_id: str, first_seq: int, event: Finished | Error | None, letter: DeadLetter | None
+    ) -> None:
+        ks, args = scripts.publish_call(
+            self.model,
+            e.lane,
+            request_id,
+            group=self.group,
+            consumer=self.consumer,
+            entry_id=e.entry_id,
+            cap=0,
+            live_ttl_ms=self.result_ttl_ms,
+            result_ttl_ms=self.result_ttl_ms,
+            first_seq=first_seq,
+            events=[encode_event(event)] if event is not None else [],
+            final=True,
+            dead_letter=letter,
+        )
+        reply = scripts.read_publish(await retrying(lambda: self._publish(keys=ks, args=args), self._on_retry))
+        if reply.status == "gap":
+            # The stream ends before `first_seq` (it expired, or Redis lost writes in a failover): end
+            # it where it ends, so its readers still see the request end.
+            self.log.warning("response stream shorter than expected", request_id=request_id, last_seq=reply.last_seq)
+            seq = reply.last_seq + 1
+            event = msgspec.structs.replace(event, seq=seq) if event is not None else None
+            await self._call_publish(e, request_id, seq, event, letter)
+
+    def _on_retry(self, e: BaseException) -> None:
+        self.metrics.labels(self.metrics.redis_errors).inc()
+        self.log.warning("redis unavailable, retrying", error=f"{type(e).__name__}: {e}")
