@@ -3,7 +3,7 @@ prefill chunks.
 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
 reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
-three times; the C++ kernel reads it once, straight from the blocks. It is compiled on first use with
+three times; the C++ kernel reads it once, straight from the blocks. It is compiled once with
 torch's extension loader (g++ and ninja, about half a minute, cached under ~/.cache/torch_extensions)
 and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
 reference. Prefill chunks are compute-bound matmuls that torch already does well.
@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
 from pathlib import Path
 
@@ -72,19 +73,53 @@ def _build():
         return False
     flags = _compile_flags()
     tag = hashlib.sha1((SOURCE.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    name = f"pagedq_cpu_decode_{tag}"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory
 
-        return load(
-            name=f"pagedq_cpu_decode_{tag}",
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        cached = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        if not cached.exists():
+            _compile_into(cached, name, flags)
+        return _import(name, cached)
     except Exception as e:  # no compiler, no ninja, an odd platform: the reference still works
         _log.warning("C++ CPU attention kernel unavailable (%s); using the torch reference", e)
         return False
+
+
+def _compile_into(target: Path, name: str, flags: list[str]) -> None:
+    """Build in a private folder, then rename the library into the shared cache. torch's own loader
+    serialises builders on a lock file that a process killed mid-build leaves behind for good; here
+    concurrent builders each build alone, and the last rename (of identical files) wins."""
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+        load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=tmp,
+            verbose=False,
+        )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.with_name(f".{target.name}.{os.getpid()}")
+        shutil.copyfile(Path(tmp) / target.name, staged)
+        os.replace(staged, target)
+
+
+def _import(name: str, path: Path):
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 def supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -221,7 +221,7 @@ class Publisher:
         """One pipelined try; returns the calls to try again (transient failures)."""
         pipe = self.redis.pipeline(transaction=False)
         for c in calls:
-            self._script(keys=c.keys, args=c.args, client=pipe)
+            await self._script(keys=c.keys, args=c.args, client=pipe)
         try:
             replies = await pipe.execute(raise_on_error=False)
         except Exception as e:
