@@ -1,10 +1,14 @@
 """An asyncio agent backend that sends its LLM calls to pagedq workers through Redis.
 
-    pagedq up                                   # or: docker compose up (redis + a worker)
+    pagedq up                                   # a local stack: redis-server + SmolLM2 + one worker
     python examples/agent_backend.py --redis-url redis://localhost:6379/0
 
-It streams one answer token by token, fans out 20 tool-planning calls concurrently with a
-per-call deadline, shows the queue, and cancels a request it no longer needs.
+(On a host with an NVIDIA GPU and the NVIDIA Container Toolkit, `docker compose up -d` from the
+repository root serves the same URL instead; see ops/README.md.)
+
+It streams one answer token by token, fans out 20 tool-choosing calls concurrently with a per-call
+deadline (each asks the model which of the agent's tools fits a step, and the answer is matched
+against the tool names), shows the queue, and cancels a request it no longer needs.
 """
 
 from __future__ import annotations
@@ -14,6 +18,15 @@ import asyncio
 
 from producer_sdk import AsyncClient, Cancelled, DeadlineExceeded, QueueFull, RequestTimeout
 
+TOOLS = ("search_docs", "read_ticket", "send_reply", "order_status", "escalate_to_human")
+
+
+def chosen_tool(answer: str) -> str | None:
+    """The first of the agent's tools the model's answer names (a small model may name none)."""
+    text = answer.lower().replace(" ", "_")
+    found = [(text.find(t), t) for t in TOOLS if t in text]
+    return min(found)[1] if found else None
+
 
 async def main(redis_url: str, model: str) -> None:
     async with AsyncClient(redis_url, model) as client:
@@ -22,18 +35,22 @@ async def main(redis_url: str, model: str) -> None:
             {"role": "system", "content": "You are a concise assistant."},
             {"role": "user", "content": "Name three uses of Redis streams."},
         ]
+        # metadata travels with the request (and into a dead letter's copy); pagedq does not interpret it.
         handle = await client.submit(messages=messages, max_tokens=96, temperature=0.7, metadata={"tenant": "demo"})
         async for chunk in handle.stream(timeout=120):
             print(chunk.text, end="", flush=True)
         print(f"\n[{handle.finish_reason}] {handle.usage.completion_tokens} tokens, ttft {handle.timings.ttft_ms} ms")
 
-        # 2. Fan out: 20 short planning calls at once, each with a 20 s deadline, greedy. The workers batch
-        #    them together (continuous batching), so 20 calls cost far less than 20 times one call.
+        # 2. Fan out: for 20 steps at once, ask which tool fits (greedy, a 20 s deadline each). The workers
+        #    batch them together (continuous batching), so 20 calls cost far less than 20 times one call.
         tasks = ["search the docs", "summarise the ticket", "draft a reply", "check the order status", "escalate"]
         steps = [f"{task} (case {i // len(tasks) + 1})" for i, task in enumerate(tasks * 4)]
-        handles = await client.submit_many(
-            [{"prompt": f"Plan step: {s}.", "priority": 1} for s in steps], max_tokens=32, temperature=0.0, deadline=20
-        )
+        system = "You plan tool calls. Tools: " + ", ".join(TOOLS) + ". Answer with one tool name only."
+        calls = [
+            {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Step: {s}."}]}
+            for s in steps
+        ]
+        handles = await client.submit_many(calls, max_tokens=16, temperature=0.0, priority=1, deadline=20)
         results = await asyncio.gather(*(h.result(timeout=60) for h in handles), return_exceptions=True)
         for step, res in zip(steps, results):
             if isinstance(res, DeadlineExceeded):
@@ -41,7 +58,8 @@ async def main(redis_url: str, model: str) -> None:
             elif isinstance(res, (QueueFull, RequestTimeout)):
                 print(f"{step}: {res}")
             else:
-                print(f"{step}: {res.text.strip()!r}")
+                tool = chosen_tool(res.text)
+                print(f"{step}: {tool or 'no tool named'} ({res.text.strip()!r})")
 
         # 3. Queue and workers.
         stats = await client.queue_stats()

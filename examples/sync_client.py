@@ -20,7 +20,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with Client(args.redis_url, args.model) as client:
-        # One call, whole answer. A fixed request id makes a retry of this script idempotent.
+        # One call, whole answer. The id is chosen here, so retrying this call with the same id is idempotent.
         request_id = uuid.uuid4().hex
         try:
             done = client.generate(

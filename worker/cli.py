@@ -88,20 +88,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _run_bench(args.rest)
 
 
-def _run_bench(argv: list[str]) -> int:
-    """`pagedq bench ...` hands everything after `bench` to ops/bench/cli.py (options included)."""
-    from pathlib import Path
-
+def _bench_checkout() -> str | None:
+    """The source checkout this `worker` package was imported from, if it holds ops/bench (None for a
+    wheel install: ops/ is the checkout's tooling and is never installed)."""
     import worker
 
-    root = Path(worker.__file__).resolve().parents[1]
-    if not (root / "ops" / "bench" / "cli.py").exists():
-        print("error: `pagedq bench` runs from a source checkout (ops/bench is not installed)", file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(root))
-    from ops.bench.cli import main as bench_main
+    root = os.path.dirname(os.path.dirname(os.path.realpath(worker.__file__)))
+    return root if os.path.isfile(os.path.join(root, "ops", "bench", "__main__.py")) else None
 
-    return bench_main(argv) or 0
+
+def _run_bench(argv: list[str]) -> int:
+    """`pagedq bench ...` runs `python -m ops.bench ...` of the source checkout in a child process, with
+    everything after `bench` (options included); the product itself never imports `ops`."""
+    import subprocess
+
+    root = _bench_checkout()
+    if root is None:
+        print(
+            "error: `pagedq bench` runs the benchmarks of a source checkout (ops/bench/), and this pagedq "
+            "is not installed from one. Clone the repository and run `make bench`, or `pip install -e "
+            "'.[worker,bench]'` there and run `pagedq bench` again.",
+            file=sys.stderr,
+        )
+        return 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.Popen([sys.executable, "-m", "ops.bench", *argv], env=env)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:  # the child got the same Ctrl-C: let it write what it has
+        rc = proc.wait()
+    return rc if rc >= 0 else 128 - rc
 
 
 def build_parser() -> argparse.ArgumentParser:

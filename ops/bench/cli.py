@@ -1,10 +1,15 @@
-"""`pagedq bench`: offline throughput, serving through Redis, KV memory, prefix cache; JSON, plots, summary.
+"""`pagedq bench` / `python -m ops.bench`: offline throughput, serving through Redis, KV memory, prefix
+cache; JSON, plots, summary.
 
-    python -m ops.bench.cli all --quick                  # a few minutes, tiny model: smoke
-    python -m ops.bench.cli all                          # SmolLM2-135M, bf16, 2 threads, 64 requests
-    python -m ops.bench.cli offline --dtype float32 --requests 16
-    python -m ops.bench.cli serve --rates 0.5,1,1.5
-    python -m ops.bench.cli report                       # rebuild summary.md + plots from latest/*.json
+    python -m ops.bench all --quick             # a few minutes, tiny model: smoke
+    python -m ops.bench all                     # SmolLM2-135M, the fastest dtype here, 2 threads, 64 requests
+    python -m ops.bench offline --dtype float32 --requests 16
+    python -m ops.bench serve --rates 0.5,1,1.5
+    python -m ops.bench report                  # rebuild summary.md + plots from latest/*.json
+
+`pagedq bench ARGS` runs `python -m ops.bench ARGS` from the source checkout. The default dtype is
+the fastest one the hardware has: bf16 on a GPU or a CPU with native bf16, else fp32 (the recorded
+run in RESULTS.md: fp32, on a CPU without native bf16).
 
 Every subcommand writes ops/bench/results/<name>-<timestamp>.json and latest/<name>.json, then
 rebuilds latest/summary.md (printed at the end) and the PNG plots from whatever latest/ holds.
@@ -17,7 +22,10 @@ import shlex
 import sys
 import time
 
-from ops.bench import report
+from ops.bench.machine import machine_info
+from ops.bench.progress import Progress
+from ops.bench.results import save_result
+from ops.bench.summary import write_summary
 
 COMMANDS = ("offline", "serve", "memory", "prefix", "all", "report")
 
@@ -188,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     args = finalize(build_parser().parse_args(raw))
     command = "pagedq bench " + " ".join(shlex.quote(a) for a in raw)
     if args.bench == "report":
-        print(report.write_summary(args.out, command=None))
+        print(write_summary(args.out, command=None))
         return 0
 
     from ops.bench import memory, offline, prefix, serve
+    from ops.bench.common import resolve_model
 
-    args.model_dir = offline.resolve_model(args.model, args.quick)
+    args.model_dir = resolve_model(args.model, args.quick)
     if args.systems is None:
         args.offline_systems, args.serve_systems = list(offline.SYSTEMS), list(serve.SYSTEMS)
     else:
@@ -202,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = ["offline", "serve", "memory", "prefix"] if args.bench == "all" else [args.bench]
     modules = {"offline": offline, "serve": serve, "memory": memory, "prefix": prefix}
     units = sum(modules[n].plan_units(_view(args, n)) for n in todo)
-    progress = report.Progress(units, enabled=not args.no_progress)
-    machine = report.machine_info(args.threads, args.device)
+    progress = Progress(units, enabled=not args.no_progress)
+    machine = machine_info(args.threads, args.device)
     done: dict[str, dict] = {}
     t_all = time.monotonic()
     try:
@@ -217,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=round(time.monotonic() - t0, 1),
             )
             done[name] = result
-            path = report.save_result(name, result, args.out)
+            path = save_result(name, result, args.out)
             progress.write(f"[{name}] wrote {path} ({result['seconds']:.0f}s)")
     finally:
         progress.close()
-    print(report.write_summary(args.out, command=command))
+    print(write_summary(args.out, command=command))
     print(f"\n(total {time.monotonic() - t_all:.0f}s)", file=sys.stderr)
     return 0
 

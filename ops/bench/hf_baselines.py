@@ -26,7 +26,7 @@ from ops.bench.workloads import BenchRequest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Continuous batching sizes tried on this 2-core CPU (SmolLM2-135M, bf16). The query/KV padding
+# Continuous batching sizes tried on the project's 2-core CPUs (SmolLM2-135M). The query/KV padding
 # intervals exist for CUDA graphs; on the CPU they only add work, so they are set to 1 (no padding).
 # `num_blocks` is derived from the same KV token budget pagedq gets (see `cb_config`).
 CB_PRESETS: dict[str, dict[str, Any]] = {

@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops.bench.offline import model_info, run_child
-from ops.bench.report import Progress, dist
+from ops.bench.common import BLOCK_SIZE, child_entry, kv_blocks_for, model_info, run_child
+from ops.bench.progress import Progress
+from ops.bench.stats import dist
 from ops.bench.workloads import Workload, make_workload
-
-BLOCK_SIZE = 16
 
 
 def plan_units(args: argparse.Namespace) -> int:
@@ -60,8 +59,7 @@ def _own_serving_samples(args: argparse.Namespace) -> list[dict]:
     """A saturation run of the `random` workload through a pagedq worker, /metrics scraped."""
     import uuid
 
-    from ops.bench.offline import kv_blocks_for
-    from ops.bench.serve import Worker, run_load, worker_engine
+    from ops.bench.serving import Worker, run_load, worker_engine
     from worker.service.redis_proc import RedisProcess
 
     info = model_info(args.model_dir)
@@ -202,8 +200,4 @@ def child_main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        sys.exit(child_main(sys.argv[2]))
-    from ops.bench.cli import main
-
-    sys.exit(main(["memory", *sys.argv[1:]]))
+    sys.exit(child_entry(child_main))

@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import uuid
 
-from ops.bench.offline import kv_blocks_for, model_info
-from ops.bench.report import Progress, median
-from ops.bench.serve import Worker, run_load, summarize, worker_engine
+from ops.bench.common import kv_blocks_for, model_info
+from ops.bench.progress import Progress
+from ops.bench.serving import Worker, run_load, summarize, worker_engine
+from ops.bench.stats import median
 from ops.bench.workloads import make_workload, poisson_arrivals, warmup_requests
 
 SETTINGS = (("cache-off", False), ("cache-on", True))

@@ -1,4 +1,5 @@
-"""Smoke tests of the benchmark harness (ops/bench): workloads, a tiny offline run, the baseline worker.
+"""Smoke tests of the benchmark harness (ops/bench): workloads, a tiny offline run, the baseline worker,
+and `pagedq bench` running the harness of the source checkout in a child process.
 
 No timing assertions: only that the machinery runs, is deterministic, and agrees with transformers.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +18,8 @@ import pytest
 import redis
 
 from ops.bench import cli
-from ops.bench.offline import REPO, agreement, child_env
+from ops.bench.common import REPO, child_env
+from ops.bench.offline import agreement
 from ops.bench.workloads import (
     SYSTEM_PROMPT_TOKENS,
     WORKLOADS,
@@ -164,3 +168,62 @@ def test_baseline_worker_speaks_the_protocol(llama_dir, redis_url):
         proc.terminate()
         proc.wait(30)
         r.close()
+
+
+def _pagedq(args: list[str], cwd, pythonpath) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    cmd = [sys.executable, "-m", "worker.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_pagedq_bench_runs_the_checkout_harness_with_every_option(tmp_path):
+    """`pagedq bench` hands its arguments to `python -m ops.bench` of the checkout: options, exit code,
+    relative paths (resolved in the caller's directory) and --help all come through."""
+    res = _pagedq(["bench", "report", "--out", "results"], cwd=tmp_path, pythonpath=REPO)
+    assert res.returncode == 0, res.stderr
+    assert f"no results under {os.path.join('results', 'latest')}" in res.stdout
+
+    latest = tmp_path / "results" / "latest"
+    latest.mkdir(parents=True)
+    (latest / "memory.json").write_text(json.dumps({"kind": "memory", "waste_mean": 0.01, "fit": {"ratio": 5.0}}))
+    res = _pagedq(["bench", "report", "--out", "results", "--no-progress"], cwd=tmp_path, pythonpath=REPO)
+    assert res.returncode == 0, res.stderr
+    assert "# pagedq benchmarks" in res.stdout and "## KV cache memory" in res.stdout
+    assert (latest / "summary.md").read_text() == res.stdout.rstrip("\n") + "\n"
+
+    res = _pagedq(["bench", "offline", "--no-such-option"], cwd=tmp_path, pythonpath=REPO)
+    assert res.returncode == 2 and "--no-such-option" in res.stderr
+    res = _pagedq(["bench", "--help"], cwd=tmp_path, pythonpath=REPO)
+    assert res.returncode == 0 and "usage: pagedq bench" in res.stdout
+    for name in cli.COMMANDS:
+        assert name in res.stdout
+
+
+def test_pagedq_bench_without_a_checkout_says_so(tmp_path):
+    """Installed without ops/ (a wheel), `pagedq bench` fails with a clear error and a non-zero exit."""
+    shutil.copytree(REPO / "worker", tmp_path / "worker", ignore=shutil.ignore_patterns("__pycache__"))
+    res = _pagedq(["bench", "all", "--quick"], cwd=tmp_path, pythonpath=tmp_path)
+    assert res.returncode == 2
+    assert "source checkout" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_python_m_ops_bench_is_the_bench_cli(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run(
+        [sys.executable, "-m", "ops.bench", "report", "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0 and "no results under" in res.stdout, res.stderr
+    # A module's child side is internal: run without --child, it points at the real entry point.
+    res = subprocess.run(
+        [sys.executable, "-m", "ops.bench.offline", "--requests", "4"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "python -m ops.bench" in res.stderr

@@ -1,0 +1,321 @@
+"""The import graph, read from the source with `ast` (nothing is imported).
+
+Rules: no import cycle among the product's modules (producer_sdk/, worker/, kernels/), nor among
+ops/'s; the product never imports `ops` (a source checkout's tooling, not installed) and never edits
+`sys.path`; the SDK stays torch-free: producer_sdk/ imports neither torch nor worker nor kernels.
+
+Every import counts, at module level or inside a function, except those under `if TYPE_CHECKING:`
+(never run). An edge goes to the module an import names: `from a.b import c` to `a.b.c` when that is
+a module, else to `a.b`; parent packages' `__init__` are not added (every import would then close a
+loop through its own package).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("producer_sdk", "worker", "kernels")
+TOOLING = ("ops",)
+SDK_MUST_NOT_IMPORT = ("torch", "worker", "kernels")
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # the importing module, dotted
+    name: str  # the absolute dotted name imported (`from a.b import c` -> "a.b.c")
+    base: str  # for `from a.b import c`: "a.b"; for `import a.b`: "a.b"
+    line: int
+
+
+# --- reading the source ----------------------------------------------------------------------------
+
+
+def find_modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under the given top-level packages."""
+    found = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    if level > 1:
+        package = package[: len(package) - (level - 1)]
+    return ".".join([*package, *([name] if name else [])])
+
+
+def imports_of(module: str, path: Path) -> list[Import]:
+    """Every import statement of a module (and `importlib.import_module("...")` with a literal name)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found: list[Import] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:  # the body never runs
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(Import(module, a.name, a.name, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_relative(module, is_package, node.level, node.module) if node.level else node.module or ""
+            for a in node.names:
+                name = base if a.name == "*" else f"{base}.{a.name}"
+                found.append(Import(module, name, base, node.lineno))
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node):
+            name = node.args[0].value
+            found.append(Import(module, name, name, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _is_dynamic_import(call: ast.Call) -> bool:
+    func = call.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return (
+        called in ("import_module", "__import__")
+        and bool(call.args)
+        and isinstance(call.args[0], ast.Constant)
+        and isinstance(call.args[0].value, str)
+    )
+
+
+def target_module(imp: Import, modules: dict[str, Path]) -> str | None:
+    """The module of `modules` an import loads: the name itself, else its longest known prefix."""
+    for candidate in (imp.name, imp.base):
+        parts = candidate.split(".")
+        for n in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:n])
+            if prefix in modules:
+                return prefix
+    return None
+
+
+def import_graph(root: Path, packages: Iterable[str]) -> dict[str, dict[str, int]]:
+    """module -> {imported module of the same set: first line}."""
+    modules = find_modules(root, packages)
+    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for module, path in modules.items():
+        for imp in imports_of(module, path):
+            target = target_module(imp, modules)
+            if target is not None and target != module:
+                graph[module].setdefault(target, imp.line)
+    return graph
+
+
+# --- cycles ------------------------------------------------------------------------------------------
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative; components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def a_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """One shortest cycle through the first module of a strongly connected component."""
+    inside = set(component)
+    start = component[0]
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child not in inside:
+                    continue
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if child not in previous:
+                    previous[child] = node
+                    following.append(child)
+        frontier = following
+    raise AssertionError(f"no cycle through {start}")  # cannot happen in a component
+
+
+def cycles(root: Path, packages: Iterable[str]) -> list[str]:
+    """Each cycle as `a -> b (line) -> a (line)`, one per strongly connected component."""
+    graph = import_graph(root, packages)
+    shown = []
+    for component in strongly_connected(graph):
+        cycle = a_cycle(graph, component)
+        steps = [cycle[0]] + [f"{b} (line {graph[a][b]} of {a})" for a, b in itertools.pairwise(cycle)]
+        extra = f" [component: {', '.join(component)}]" if len(component) > len(cycle) - 1 else ""
+        shown.append(" -> ".join(steps) + extra)
+    return shown
+
+
+# --- the rules ---------------------------------------------------------------------------------------
+
+
+def test_the_product_has_no_import_cycle():
+    found = cycles(ROOT, PRODUCT)
+    assert not found, "import cycles in the product:\n  " + "\n  ".join(found)
+
+
+def test_ops_has_no_import_cycle():
+    found = cycles(ROOT, TOOLING)
+    assert not found, "import cycles in ops/:\n  " + "\n  ".join(found)
+
+
+def _all_imports(packages: Iterable[str]) -> list[Import]:
+    return [imp for m, p in find_modules(ROOT, packages).items() for imp in imports_of(m, p)]
+
+
+def test_the_product_never_imports_ops():
+    bad = [i for i in _all_imports(PRODUCT) if i.name.split(".")[0] in TOOLING]
+    assert not bad, "the product imports ops/ (not installed):\n  " + "\n  ".join(
+        f"{i.importer} line {i.line}: {i.name}" for i in bad
+    )
+
+
+def test_the_product_never_edits_sys_path():
+    bad = []
+    for module, path in find_modules(ROOT, PRODUCT).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
+                bad.append(f"{module} line {node.lineno}")
+    assert not bad, "sys.path used in the product:\n  " + "\n  ".join(bad)
+
+
+def test_the_sdk_imports_no_torch_worker_or_kernels():
+    bad = [i for i in _all_imports(["producer_sdk"]) if i.name.split(".")[0] in SDK_MUST_NOT_IMPORT]
+    assert not bad, "producer_sdk must stay torch-free:\n  " + "\n  ".join(
+        f"{i.importer} line {i.line}: {i.name}" for i in bad
+    )
+
+
+# --- the machinery, on made-up packages --------------------------------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg import b\n",
+            "pkg/b.py": "def f():\n    from . import c\n",
+            "pkg/c.py": "import pkg.a\n",
+            "pkg/d.py": "import pkg.a\n",  # leads into the cycle, is not part of it
+        },
+    )
+    found = cycles(tmp_path, ["pkg"])
+    assert len(found) == 1
+    assert found[0].startswith("pkg.a -> pkg.b (line 1 of pkg.a) -> pkg.c (line 2 of pkg.b) -> pkg.a (line 1 of pkg.c)")
+    assert "pkg.d" not in found[0]
+
+
+def test_type_checking_imports_are_ignored_and_their_else_is_not(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n",
+            "pkg/b.py": "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    from .a import x\n",
+        },
+    )
+    assert import_graph(tmp_path, ["pkg"]) == {"pkg": {}, "pkg.a": {}, "pkg.b": {"pkg.a": 5}}
+    assert not cycles(tmp_path, ["pkg"])
+
+
+def test_relative_and_package_imports_resolve(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from .sub import thing\n",
+            "pkg/sub/__init__.py": "from ..top import x\nfrom . import leaf\n",
+            "pkg/sub/leaf.py": "from pkg.sub import thing\nimport importlib\nimportlib.import_module('pkg.top')\n",
+            "pkg/top.py": "import os.path\n",
+        },
+    )
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph["pkg"] == {"pkg.sub": 1}
+    assert graph["pkg.sub"] == {"pkg.top": 1, "pkg.sub.leaf": 2}
+    assert graph["pkg.sub.leaf"] == {"pkg.sub": 1, "pkg.top": 3}
+    assert graph["pkg.top"] == {}
+    assert cycles(tmp_path, ["pkg"]) == [
+        "pkg.sub -> pkg.sub.leaf (line 2 of pkg.sub) -> pkg.sub (line 1 of pkg.sub.leaf)"
+    ]
+
+
+@pytest.mark.parametrize("source", ["import ops.bench\n", "def f():\n    from ops.bench.cli import main\n"])
+def test_an_import_of_ops_is_seen(tmp_path, source):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": source})
+    names = [i.name for m, p in find_modules(tmp_path, ["pkg"]).items() for i in imports_of(m, p)]
+    assert any(n.split(".")[0] == "ops" for n in names)
