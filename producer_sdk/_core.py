@@ -17,6 +17,7 @@ import msgspec
 
 from producer_sdk._stream import Backoff, Follower, outcome, translate_redis_error
 from producer_sdk.contract import keys, scripts
+from producer_sdk.contract.connection import client_options
 from producer_sdk.errors import (
     ProtocolError,
     QueueFull,
@@ -279,9 +280,13 @@ class ClientOptions(msgspec.Struct, kw_only=True):
         return Backoff(self.reconnect_attempts, max_s=self.reconnect_backoff_max_s)
 
 
-def redis_kwargs(connect_timeout: float | None, extra: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for Redis.from_url: ours, then the caller's (ssl_ca_certs, username, ...)."""
-    kwargs: dict[str, Any] = {"socket_connect_timeout": connect_timeout, "decode_responses": False}
+SOCKET_TIMEOUT_S = 30.0  # a read longer than this is a dead connection (XREAD BLOCK stays at half of it)
+
+
+def redis_kwargs(connect_timeout: float | None, extra: dict[str, Any], *, asyncio: bool) -> dict[str, Any]:
+    """Keyword arguments for Redis.from_url: the contract's explicit connection settings (no silent
+    retries, timeouts, keepalive), then the caller's (ssl_ca_certs, username, socket_timeout, ...)."""
+    kwargs = client_options(asyncio=asyncio, socket_timeout=SOCKET_TIMEOUT_S, connect_timeout=connect_timeout)
     kwargs.update(extra)
     if kwargs.get("decode_responses"):
         raise ValueError("producer_sdk needs decode_responses=False (payloads are binary msgpack)")
@@ -422,6 +427,7 @@ class ClientBase:
     """Constructor and I/O-free helpers of AsyncClient and Client (see AsyncClient's docstring)."""
 
     _redis_class: Any = None  # redis.asyncio.Redis or redis.Redis
+    _asyncio = False
     _handle_class: Any = None
 
     def __init__(
@@ -440,7 +446,7 @@ class ClientBase:
         **redis_options: Any,
     ) -> None:
         if isinstance(redis_url, str):
-            options = redis_kwargs(connect_timeout, redis_options)
+            options = redis_kwargs(connect_timeout, redis_options, asyncio=self._asyncio)
             self._redis = self._redis_class.from_url(redis_url, **options)
             self._owns_redis = True
         else:

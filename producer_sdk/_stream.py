@@ -12,6 +12,7 @@ import redis.exceptions as rex
 
 from producer_sdk.contract import keys
 from producer_sdk.contract.keys import EVENT_FIELD
+from producer_sdk.contract.redis_errors import is_transient
 from producer_sdk.errors import (
     AuthenticationFailed,
     Cancelled,
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from producer_sdk._core import EnqueueResult, Prepared
 
 # --- errors and backoff ---------------------------------------------------------------------------
-RETRYABLE = (rex.ConnectionError, rex.TimeoutError, rex.ReadOnlyError, OSError)
 
 
 class Backoff:
@@ -54,7 +54,7 @@ class Backoff:
         translated = translate_redis_error(exc)
         if translated is not None:
             raise translated from exc
-        if not isinstance(exc, RETRYABLE):
+        if not is_transient(exc):
             raise exc
         self.failures += 1
         if self.failures > self.attempts:

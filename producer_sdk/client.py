@@ -128,6 +128,7 @@ class AsyncClient(_core.ClientBase):
     """
 
     _redis_class = aioredis.Redis
+    _asyncio = True
     _handle_class = Handle
 
     async def __aenter__(self) -> AsyncClient:

@@ -64,7 +64,7 @@ end
 
 -- Write one request's events, fenced on ownership and idempotent by seq; a final batch also acks
 -- (and optionally dead-letters) the request entry.
--- KEYS: lane stream, response stream, dead-letter stream.
+-- KEYS: lane stream, response stream, dead-letter stream, submitted marker (expires with the result).
 -- ARGV: group, consumer, entry id, stream cap (0: none), live TTL ms, result TTL ms, first seq,
 -- final (0/1), event count n, the n events, then (final only) the dead-letter part of `retire`.
 -- Reply: {status, last seq stored}; status: 'ok' written (or already there), 'done' a final batch
@@ -95,7 +95,10 @@ local function publish(KEYS, ARGV)
       redis.call('PEXPIRE', resp, final and ARGV[6] or ARGV[5])
     end
   end
-  if final then retire(lane, dead, group, entry, ARGV, 10 + n) end
+  if final then
+    retire(lane, dead, group, entry, ARGV, 10 + n)
+    if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], ARGV[6]) end
+  end
   return {'ok', math.max(last, first + n - 1)}
 end
 

@@ -112,7 +112,12 @@ def publish_call(
     dead_letter: DeadLetter | None = None,
 ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of `publish`: events numbered first_seq, first_seq + 1, ..."""
-    ks = [keys.lane_stream(model, lane), keys.response_stream(request_id), keys.dead_letters(model)]
+    ks = [
+        keys.lane_stream(model, lane),
+        keys.response_stream(request_id),
+        keys.dead_letters(model),
+        keys.submitted_marker(request_id),
+    ]
     args: list[Any] = [group, consumer, entry_id, cap, live_ttl_ms, result_ttl_ms, first_seq, int(final)]
     args += [len(events), *events]
     if dead_letter is not None:

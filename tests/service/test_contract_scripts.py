@@ -83,11 +83,13 @@ def test_a_gap_is_refused_and_nothing_written(r):
 
 def test_final_batch_acks_once_and_its_retry_reports_done(r):
     entry = _entry(r)
+    r.set(keys.submitted_marker(RID), 1, px=86_400_000)
     fin = Finished(seq=1, finish_reason="stop")
     assert _publish(r, entry, 0, [Started(seq=0, worker="w1"), fin], final=True).status == "ok"
     lane = keys.lane_stream(MODEL, "normal")
     assert r.xpending(lane, GROUP)["pending"] == 0 and r.xlen(lane) == 0
     assert 0 < r.pttl(keys.response_stream(RID)) <= 5_000  # the result TTL starts at the final event
+    assert 0 < r.pttl(keys.submitted_marker(RID)) <= 5_000  # a resubmit after that runs anew
     assert _publish(r, entry, 0, [Started(seq=0, worker="w1"), fin], final=True).status == "done"
     assert [type(e) for e in _stored(r)] == [Started, Finished]
 

@@ -19,13 +19,29 @@ class ServiceConfig:
     model_name: str = option("default", "key namespace pagedq:{name}:* (the SDK's model=)")
     consumer: str | None = option(None, "consumer name (default host-pid)")
     max_queue_len: int | None = option(
-        None, "refuse submits (QueueFull) beyond this many outstanding entries per lane", type=int
+        None,
+        "refuse submits (QueueFull) beyond this many outstanding entries of the model, all lanes "
+        "together (default: the SDK's built-in cap of 10000)",
+        type=int,
     )
-    metrics_port: int | None = option(None, "serve Prometheus /metrics on this port (0 = any free port)", type=int)
+    metrics_port: int | None = option(
+        None, "serve /metrics, /health and /ready on this port (0 = any free port)", type=int
+    )
     drain_timeout: float = option(30.0, "seconds to finish in-flight work on SIGTERM before handing it over")
     claim_idle_ms: int = option(30_000, "an entry idle this long is taken over from its (dead) worker")
     max_deliveries: int = option(3, "dead-letter a request delivered this many times without finishing")
-    result_ttl: int = option(86400, "seconds a response stream is kept after its last event")
+    result_ttl: int = option(600, "seconds a finished request's response stream is kept, from its final event")
+    live_ttl: int = option(3600, "seconds an unfinished request's response stream is kept after its last write")
+    dead_letter_ttl: int = option(7 * 86400, "seconds dead letters are kept (the stream is trimmed by age)")
+    wait_replicas: int = option(
+        0,
+        "after writing final events, WAIT until this many replicas hold them (bounded by --wait-timeout-ms): "
+        "a failover then cannot lose a finished answer, at the cost of a round trip per flush",
+    )
+    wait_timeout_ms: int = option(1000, "longest WAIT for --wait-replicas, in ms")
+    health_stall_s: float = option(
+        60.0, "/health fails when the engine had work but made no progress for this many seconds"
+    )
     arq_queue: str | None = option(
         None, "also serve pagedq_generate jobs of this arq queue (pip install 'pagedq[arq]')"
     )
@@ -34,7 +50,7 @@ class ServiceConfig:
     reclaim_interval_s: float | None = None
     heartbeat_interval_s: float = 2.0
     summary_interval_s: float = 10.0
-    intake_headroom: int | None = None  # entries pulled beyond free sequence slots
+    intake_headroom: int | None = None  # sequences pulled beyond free sequence slots
     limits: Limits = field(default_factory=lambda: DEFAULT_LIMITS)
 
     def __post_init__(self) -> None:
@@ -44,10 +60,11 @@ class ServiceConfig:
             self.reclaim_interval_s = min(5.0, self.claim_idle_ms / 2000)
         if self.renew_interval_s * 1000 * 2 > self.claim_idle_ms:
             raise ValueError("renew_interval_s must be well inside claim_idle_ms (at most half)")
-
-    @property
-    def result_ttl_s(self) -> int:
-        return self.result_ttl
+        for name in ("result_ttl", "live_ttl", "dead_letter_ttl"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 second")
+        if self.wait_replicas < 0:
+            raise ValueError("--wait-replicas must be >= 0")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:

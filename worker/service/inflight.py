@@ -1,10 +1,12 @@
-"""What the worker remembers about each request it owns, from intake to the final event."""
+"""What the worker holds: request entries as read from Redis, and the requests it owns until their
+final event is written. Touched only on the event loop thread."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from producer_sdk.protocol import GenerateRequest
+from producer_sdk.contract.keys import ENTRY_ID_FIELD
+from producer_sdk.protocol import REQUEST_ID_PATTERN, GenerateRequest
 
 
 @dataclass
@@ -17,6 +19,13 @@ class Entry:
     fields: dict[bytes, bytes]
     deliveries: int = 1
 
+    @property
+    def request_id(self) -> str | None:
+        """The id field outside the payload, when it is a valid request id."""
+        raw = self.fields.get(ENTRY_ID_FIELD.encode(), b"")
+        rid = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        return rid if REQUEST_ID_PATTERN.fullmatch(rid) else None
+
 
 @dataclass
 class InFlight:
@@ -26,7 +35,7 @@ class InFlight:
     entry_id: str
     request: GenerateRequest
     max_events: int  # MAXLEN cap of the response stream
-    attempt: int = 1  # 1 + number of workers that ran it before
+    attempt: int = 1  # 1 + number of attempts before this one
     deliveries: int = 1  # how many times Redis has handed the entry out
     next_seq: int = 0  # seq of the next event this worker writes
     started: bool = False  # our Started event is written
@@ -39,12 +48,13 @@ class InFlight:
     def live(self) -> bool:
         return not (self.handover or self.lost)
 
+    @property
+    def seats(self) -> int:
+        """Sequences it occupies in the engine (one per sample)."""
+        return self.request.sampling.n
 
-class InFlightTable(dict[str, InFlight]):
-    """request id -> InFlight, with lookups by lane for ownership renewal."""
+    def entry(self) -> Entry:
+        return Entry(self.lane, self.stream, self.entry_id, {}, self.deliveries)
 
-    def by_stream(self) -> dict[str, list[InFlight]]:
-        groups: dict[str, list[InFlight]] = {}
-        for rec in self.values():
-            groups.setdefault(rec.stream, []).append(rec)
-        return groups
+
+InFlightTable = dict[str, InFlight]

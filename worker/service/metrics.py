@@ -7,7 +7,7 @@ process). Labels: `model` on everything (the key namespace), plus `lane` / `fini
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -71,6 +71,10 @@ class WorkerMetrics:
         self.dead_letters = counter("pagedq_dead_letters", "Entries moved to the dead-letter stream", [*m, "code"])
         self.reclaimed = counter("pagedq_requests_reclaimed", "Requests taken over from a dead worker")
         self.redis_errors = counter("pagedq_redis_errors", "Redis calls that failed (and were retried)")
+        self.replication_lag = counter(
+            "pagedq_final_events_unreplicated",
+            "Flushes whose final events fewer than --wait-replicas replicas confirmed in time",
+        )
         self.queue_time = hist(
             "pagedq_request_queue_time_seconds", "Arrival (submit) to first scheduled", _LATENCY_BUCKETS
         )
@@ -85,8 +89,3 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-    def serve(self, port: int, addr: str = "0.0.0.0"):
-        """Expose /metrics on `port` (0 picks a free port); returns the bound port."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return server.server_address[1]

@@ -80,6 +80,8 @@ class Publisher:
         live_ttl_ms: int,
         result_ttl_ms: int,
         metrics: WorkerMetrics,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
     ) -> None:
         self.redis = redis
         self.inflight = inflight
@@ -87,6 +89,7 @@ class Publisher:
         self.model, self.group, self.consumer = model, group, consumer
         self.live_ttl_ms, self.result_ttl_ms = live_ttl_ms, result_ttl_ms
         self.metrics = metrics
+        self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self._script = redis.register_script(scripts.PUBLISH)
         self._queue: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._idle = asyncio.Event()
@@ -222,6 +225,9 @@ class Publisher:
         pipe = self.redis.pipeline(transaction=False)
         for c in calls:
             await self._script(keys=c.keys, args=c.args, client=pipe)
+        wait = self.wait_replicas > 0 and any(c.final for c in calls)
+        if wait:  # on the same connection: WAIT covers the writes just made
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
         try:
             replies = await pipe.execute(raise_on_error=False)
         except Exception as e:
@@ -229,6 +235,8 @@ class Publisher:
                 raise
             self._count_error(e, "publish failed, retrying")
             return calls
+        if wait:
+            self._check_replicas(replies.pop())
         retry = []
         for c, reply in zip(calls, replies, strict=True):
             if isinstance(reply, Exception):
@@ -241,6 +249,13 @@ class Publisher:
                 continue
             self._apply(c, scripts.read_publish(reply))
         return retry
+
+    def _check_replicas(self, acked) -> None:
+        """Final events not yet on enough replicas are kept (the primary has them) and reported: a
+        failover in the next moments could lose them, and their requests would then be resumed."""
+        if isinstance(acked, Exception) or int(acked) < self.wait_replicas:
+            self.metrics.labels(self.metrics.replication_lag).inc()
+            self.log.warning("final events not yet replicated", replicas=str(acked), wanted=self.wait_replicas)
 
     def _count_error(self, e: BaseException, msg: str, **kw) -> None:
         self.metrics.labels(self.metrics.redis_errors).inc()

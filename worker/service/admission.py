@@ -1,0 +1,212 @@
+"""Turns request entries into engine requests, or answers them at once.
+
+Every entry is decoded and validated with the protocol's strict decoder. A bad one is refused (an
+`Error` event when its request id can be read, a dead letter, the ack); one cancelled or past its
+deadline while queued is answered without compute; the rest are tokenized and added to the engine
+on one dedicated thread (a tokenizer is not safe to share between threads, and a long prompt must
+not stall the event loop). Whatever goes wrong while admitting one entry ends that entry with a
+typed error and touches no other: no in-flight record is ever left without an engine request.
+Reclaimed entries (a dead worker's) are resumed from what their response stream holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+
+from producer_sdk.contract import keys
+from producer_sdk.contract.keys import ENTRY_DATA_FIELD
+from producer_sdk.contract.redis_errors import is_transient
+from producer_sdk.errors import MalformedPayload, ProtocolError
+from producer_sdk.protocol import Finished, GenerateRequest, Limits, decode_request, encode_request
+from worker.engine.engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+from worker.service.closer import EntryCloser
+from worker.service.inflight import Entry, InFlight, InFlightTable
+from worker.service.logging import get_logger
+from worker.service.metrics import WorkerMetrics
+from worker.service.replay import CorruptStream, Resume, read_previous_attempts
+
+
+class Admission:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        engine: LLMEngine,
+        inflight: InFlightTable,
+        closer: EntryCloser,
+        *,
+        limits: Limits,
+        max_deliveries: int,
+        metrics: WorkerMetrics,
+        recently_cancelled: Callable[[str], bool],
+        wake_engine: Callable[[], None],
+        consumer: str,
+    ) -> None:
+        self.redis = redis
+        self.engine = engine
+        self.inflight = inflight
+        self.closer = closer
+        self.limits = limits
+        self.max_deliveries = max_deliveries
+        self.metrics = metrics
+        self.recently_cancelled = recently_cancelled
+        self.wake_engine = wake_engine
+        self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.log = get_logger("pagedq.intake", worker=consumer)
+
+    def close(self) -> None:
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    # --- new and reclaimed entries ------------------------------------------------------------
+
+    async def admit(self, entries: list[Entry]) -> None:
+        """New entries, each on its own."""
+        cancelled = await self._cancel_flags([e.request_id for e in entries])
+        for e, is_cancelled in zip(entries, cancelled, strict=True):
+            await self._guarded(e, self._admit_one(e, None, is_cancelled))
+
+    async def resume(self, entries: list[Entry]) -> None:
+        """Entries taken over from a dead worker: finished ones are only acked, the rest resume."""
+        for e in entries:
+            await self._guarded(e, self._resume_one(e))
+
+    async def _guarded(self, e: Entry, work) -> None:
+        """Run one entry's admission; anything but a Redis outage ends that entry alone."""
+        try:
+            await work
+        except Exception as err:
+            if is_transient(err):
+                raise  # the pull loop retries; the entry stays pending and is reclaimed later
+            self.log.exception("admission failed", entry=e.entry_id, request_id=e.request_id)
+            rec = self.inflight.get(e.request_id or "")
+            if rec is not None and rec.entry_id == e.entry_id:
+                self.inflight.pop(rec.request_id)
+            msg = f"the worker could not admit this request: {type(err).__name__}: {err}"
+            await self.closer.refuse(e, e.request_id, "internal_error", msg, seq=None)
+
+    async def _resume_one(self, e: Entry) -> None:
+        rid = e.request_id
+        if rid is None:
+            await self._admit_one(e, None, False)  # decoding refuses it with the right error
+            return
+        mine = self.inflight.get(rid)
+        if mine is not None and mine.entry_id == e.entry_id:
+            return  # our own entry, renewed late: the claim just reset its idle time
+        try:
+            resume = await read_previous_attempts(self.redis, rid)
+        except CorruptStream as err:
+            await self.closer.refuse(e, rid, "stream_corrupt", str(err), seq=None)
+            return
+        if resume.finished:  # the final event made it, the ack did not: just ack
+            await self.closer.ack(e, rid, resume.next_seq - 1)
+            return
+        if e.deliveries > self.max_deliveries:
+            msg = f"delivered {e.deliveries} times without finishing (max_deliveries={self.max_deliveries})"
+            await self.closer.refuse(e, rid, "max_deliveries", msg, seq=resume.next_seq, attempt=resume.attempt)
+            return
+        self.metrics.labels(self.metrics.reclaimed).inc()
+        self.log.info("resuming request", request_id=rid, attempt=resume.attempt, delivered=resume.tokens)
+        cancelled = (await self._cancel_flags([rid]))[0]
+        await self._admit_one(e, resume, cancelled)
+
+    async def _admit_one(self, e: Entry, resume: Resume | None, is_cancelled: bool) -> None:
+        req = await self._decode(e)
+        if req is None:
+            return
+        seq, attempt = (resume.next_seq, resume.attempt) if resume else (0, 1)
+        if req.request_id in self.inflight:
+            await self.closer.refuse(e, req.request_id, "duplicate", "request id already running here", seq=None)
+        elif is_cancelled:
+            await self.closer.answer(e, req.request_id, Finished(seq=seq, attempt=attempt, finish_reason="abort"))
+        elif req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
+            await self.closer.answer(e, req.request_id, Finished(seq=seq, attempt=attempt, finish_reason="deadline"))
+        else:
+            await self._start(e, req, resume)
+
+    async def _decode(self, e: Entry) -> GenerateRequest | None:
+        payload = e.fields.get(ENTRY_DATA_FIELD.encode())
+        try:
+            if payload is None:
+                raise MalformedPayload(f"entry has no '{ENTRY_DATA_FIELD}' field (the request payload)")
+            req = decode_request(payload, self.limits)
+        except ProtocolError as err:
+            await self.closer.refuse(e, e.request_id, getattr(err, "code", "malformed") or "malformed", str(err), seq=0)
+            return None
+        if e.request_id is not None and e.request_id != req.request_id:
+            msg = f"entry id field {e.request_id!r} does not match the payload's request_id {req.request_id!r}"
+            await self.closer.refuse(e, e.request_id, "schema", msg, seq=0)
+            return None
+        return req
+
+    async def _cancel_flags(self, request_ids: list[str | None]) -> list[bool]:
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.exists(keys.cancel_flag(rid or ""))
+        return [bool(x) for x in await pipe.execute()]
+
+    # --- into the engine ----------------------------------------------------------------------
+
+    async def _start(self, e: Entry, req: GenerateRequest, resume: Resume | None) -> None:
+        sp = req.sampling
+        rec = InFlight(
+            request_id=req.request_id,
+            lane=e.lane,
+            stream=e.stream,
+            entry_id=e.entry_id,
+            request=req,
+            max_events=(sp.max_tokens or self.engine.limits.max_model_len) * sp.n + 16,
+            deliveries=e.deliveries,
+        )
+        if resume is not None:
+            rec.next_seq, rec.attempt, rec.delivered = resume.next_seq, resume.attempt, resume.delivered
+        self.inflight[req.request_id] = rec
+        try:
+            await self.add_to_engine(rec)
+        except Exception as err:
+            self.inflight.pop(req.request_id, None)
+            if is_transient(err):
+                raise
+            code = getattr(err, "code", None) or (
+                "invalid_request" if isinstance(err, ValueError) else "internal_error"
+            )
+            await self.closer.refuse(e, req.request_id, code, str(err), seq=rec.next_seq, attempt=rec.attempt)
+            return
+        if self.recently_cancelled(req.request_id):  # cancelled while we were admitting it
+            self.engine.abort_request(req.request_id)
+        self.wake_engine()
+
+    async def add_to_engine(self, rec: InFlight, isolated: bool = False) -> None:
+        """Tokenize (and render the chat template) on the tokenizer thread, then queue the request."""
+        await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, self._add, rec, isolated)
+
+    def _add(self, rec: InFlight, isolated: bool) -> None:
+        req = rec.request
+        messages = [{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None
+        arrival = req.created_ms / 1000 if req.created_ms else None
+        resume = None
+        if rec.delivered:
+            resume = [*rec.delivered, *([] for _ in range(req.sampling.n - len(rec.delivered)))]
+        self.engine.add_request(
+            req.request_id,
+            req.prompt,
+            SamplingParams.from_wire(req.sampling),
+            prompt_token_ids=req.prompt_token_ids,
+            messages=messages,
+            add_generation_prompt=req.add_generation_prompt,
+            priority=req.priority,
+            deadline=req.deadline_ms / 1000 if req.deadline_ms is not None else None,
+            arrival_time=min(arrival, time.time()) if arrival else None,
+            resume=resume,
+            isolated=isolated,
+        )
+
+    async def dead_letter(self, rec: InFlight, code: str, message: str) -> None:
+        """Dead-letter a request this worker had accepted (its payload re-encoded)."""
+        payload = encode_request(rec.request, limits=None)
+        entry = Entry(rec.lane, rec.stream, rec.entry_id, {ENTRY_DATA_FIELD.encode(): payload}, rec.deliveries)
+        await self.closer.refuse(entry, rec.request_id, code, message, seq=rec.next_seq, attempt=rec.attempt)

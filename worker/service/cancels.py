@@ -1,0 +1,88 @@
+"""Cancels: the control channel (pub/sub) for speed, the cancel flags for certainty.
+
+Pub/sub drops messages while disconnected, so `sweep` also reads the flags of everything in flight
+now and then. A cancel is remembered for a while, for the request that is between intake's flag
+check and the engine when its message arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from producer_sdk.contract import keys
+from producer_sdk.contract.redis_errors import is_transient
+from producer_sdk.errors import ProtocolError
+from producer_sdk.protocol import decode_control
+from worker.service.inflight import InFlightTable
+from worker.service.logging import get_logger
+from worker.service.retry import Backoff
+
+REMEMBERED = 10_000
+
+
+class Cancels:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        inflight: InFlightTable,
+        *,
+        model: str,
+        consumer: str,
+        abort: Callable[[str], None],
+    ) -> None:
+        self.redis = redis
+        self.inflight = inflight
+        self.model = model
+        self.abort = abort
+        self.recent: OrderedDict[str, None] = OrderedDict()
+        self.log = get_logger("pagedq.cancels", worker=consumer)
+
+    def recently_cancelled(self, request_id: str) -> bool:
+        return request_id in self.recent
+
+    async def listen(self) -> None:
+        backoff = Backoff(max_s=5.0)
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(keys.control_channel(self.model))
+                await self.sweep()
+                backoff.reset()
+                async for message in pubsub.listen():
+                    self._on_message(message.get("data"))
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                self.log.warning("control channel lost, resubscribing", error=str(e))
+                await asyncio.sleep(backoff.next())
+            finally:
+                await pubsub.aclose()
+
+    def _on_message(self, data) -> None:
+        try:
+            msg = decode_control(data)
+        except ProtocolError:
+            return
+        if msg.type != "cancel" or not msg.request_id:
+            return
+        self.recent[msg.request_id] = None
+        while len(self.recent) > REMEMBERED:
+            self.recent.popitem(last=False)
+        if msg.request_id in self.inflight:
+            self.log.info("cancel", request_id=msg.request_id)
+            self.abort(msg.request_id)
+
+    async def sweep(self) -> None:
+        ids = list(self.inflight)
+        if not ids:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in ids:
+            pipe.exists(keys.cancel_flag(rid))
+        for rid, flagged in zip(ids, await pipe.execute(), strict=True):
+            if flagged and rid in self.inflight:
+                self.abort(rid)
