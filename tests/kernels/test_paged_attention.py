@@ -12,8 +12,9 @@ import pytest
 import torch
 from paged_cases import Case, Shape, case_from_shape, dense_attention, make_case, random_shape, rel_err
 
-from kernels import paged_attention, use_backend
-from kernels.paged_attention import decode_partition_size, paged_attention_triton
+from kernels import AttentionMetadata, paged_attention, use_backend
+from kernels.decode import MAX_PARTITIONS, DecodeWorkspace, decode_num_partitions
+from kernels.paged_attention import paged_attention_triton
 from kernels.reference import paged_attention_ref
 
 # fp32: both sides accumulate in fp32 (tl.dot with ieee precision), 1e-3 leaves a wide margin over
@@ -39,7 +40,7 @@ def _check(case: Case, got: torch.Tensor) -> None:
     assert rel_err(got, ref) < tol
 
 
-def _triton(case: Case, partition_size: int | None = None) -> torch.Tensor:
+def _triton(case: Case, num_partitions: int | None = None, min_partition: int = 256) -> torch.Tensor:
     out = _poisoned(case)
     got = paged_attention_triton(
         case.query,
@@ -49,7 +50,8 @@ def _triton(case: Case, partition_size: int | None = None) -> torch.Tensor:
         scale=case.scale,
         sliding_window=case.window,
         out=out,
-        partition_size=partition_size,
+        num_partitions=num_partitions,
+        min_partition=min_partition,
     )
     assert got is out
     return got
@@ -58,7 +60,7 @@ def _triton(case: Case, partition_size: int | None = None) -> torch.Tensor:
 @DTYPES
 @pytest.mark.parametrize("seed", range(NUM_RANDOM))
 def test_random_mixed_batches(seed, dtype):
-    """Odd seeds go through the public dispatch; even ones force 64-key decode partitions."""
+    """Odd seeds go through the public dispatch; even ones force up to 8 decode partitions of >= 64 keys."""
     case = case_from_shape(random_shape(seed), dtype, seed)
     if seed % 2:
         out = _poisoned(case)
@@ -69,7 +71,7 @@ def test_random_mixed_batches(seed, dtype):
             )  # fmt: skip
         assert got is out
     else:
-        got = _triton(case, partition_size=64)
+        got = _triton(case, num_partitions=8, min_partition=64)
     _check(case, got)
 
 
@@ -88,23 +90,65 @@ def test_random_shapes_cover_the_axes():
 
 
 @DTYPES
-@pytest.mark.parametrize(("partition_size", "window"), [(64, None), (128, None), (64, 150)])
-def test_decode_split_into_partitions(partition_size, window, dtype):
+@pytest.mark.parametrize(("num_partitions", "min_partition", "window"), [(8, 64, None), (3, 128, None), (8, 64, 150)])
+def test_decode_split_into_partitions(num_partitions, min_partition, window, dtype):
     """Contexts of several partitions, ragged, some empty partitions (short requests, window)."""
     lens = [1, 64, 129, 300, 517]
     case = make_case(
         lens, [1] * len(lens), num_q_heads=4, num_kv_heads=1, head_dim=96, block_size=16,
         dtype=dtype, window=window, seed=7,
     )  # fmt: skip
-    _check(case, _triton(case, partition_size=partition_size))
+    _check(case, _triton(case, num_partitions=num_partitions, min_partition=min_partition))
 
 
 @DTYPES
 def test_decode_split_chosen_automatically(dtype):
     """One long request on a small grid: the launcher itself splits the context."""
     case = make_case([700], [1], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=32, dtype=dtype)
-    assert decode_partition_size(1, 1, 700, case.query.device, 64) < 700
+    assert decode_num_partitions(1, 1, case.query.device, 700) == 3
     _check(case, _triton(case))
+
+
+def test_partitions_depend_on_the_batch_not_the_lengths():
+    """The grid a CUDA graph captures: fixed by (batch, heads, device, max_model_len) alone."""
+    dev = torch.device("cpu")
+    assert decode_num_partitions(1, 8, dev, 32768) == 8  # 4 programs x 16 "SMs" / 8 heads
+    assert decode_num_partitions(1, 1, dev, 1 << 20) == MAX_PARTITIONS
+    assert decode_num_partitions(64, 8, dev, 32768) == 1
+    assert decode_num_partitions(1, 8, dev, 300) == 2  # never partitions under 256 keys at max length
+
+
+@DTYPES
+def test_fixed_grid_with_padded_requests_and_given_workspace(dtype):
+    """A CUDA-graph-shaped decode batch: 8 partitions for every step, a caller-owned workspace, and
+    padded requests of length 0 (slot -1) that attend nothing and must leave the real rows intact."""
+    lens = [700, 1, 300, 64]
+    case = make_case(lens, [1] * 4, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=2)
+    m = case.meta
+    pad = 2
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(len(lens) + pad + 1, dtype=torch.int32),
+        seq_lens=torch.cat([m.seq_lens, torch.zeros(pad, dtype=torch.int32)]),
+        block_tables=torch.cat([m.block_tables, torch.zeros(pad, m.block_tables.shape[1], dtype=torch.int32)]),
+        slot_mapping=torch.full((len(lens) + pad,), -1, dtype=torch.int64),
+        max_query_len=1,
+        max_seq_len=0,  # deliberately wrong: the fixed-grid path must not read host lengths
+        num_decodes=len(lens) + pad,
+        decode_partitions=8,
+        decode_workspace=DecodeWorkspace.allocate(6 * 8, 8, 64, "cpu"),
+    )
+    query = torch.cat([case.query, torch.randn(pad, 8, 64).to(dtype)])
+    out = torch.full(query.shape, float("nan"), dtype=dtype)
+    got = paged_attention_triton(query, case.k_cache, case.v_cache, meta, scale=case.scale, out=out, min_partition=64)
+    assert torch.equal(got[len(lens) :], torch.zeros_like(got[len(lens) :]))
+    _check(case, got[: len(lens)])
+
+
+def test_too_small_workspace_is_refused():
+    case = make_case([20, 30], [1, 1], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16)
+    case.meta.decode_workspace = DecodeWorkspace.allocate(3, 2, 64, "cpu")
+    with pytest.raises(ValueError, match="workspace"):
+        _triton(case, num_partitions=2)
 
 
 @DTYPES
@@ -132,10 +176,12 @@ def test_out_none_returns_query_dtype():
     _check(case, got)
 
 
-def test_rejects_bad_partition_size():
+def test_rejects_bad_partition_settings():
     case = make_case([20], [1], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16)
-    with pytest.raises(ValueError, match="partition_size"):
-        _triton(case, partition_size=48)
+    with pytest.raises(ValueError, match="min_partition"):
+        _triton(case, min_partition=48)
+    with pytest.raises(ValueError, match="num_partitions"):
+        _triton(case, num_partitions=MAX_PARTITIONS + 1)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
