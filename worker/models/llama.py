@@ -40,30 +40,35 @@ class Rotary(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
-            scaling = 1.0
-        else:  # llama3, linear, yarn, ...: transformers' own definitions of the frequencies
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
-                raise NotImplementedError(f"RoPE type {rope_type!r} is not supported")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        # Everything on the CPU: transformers' init functions return CPU tensors whatever device the
-        # model is built on (the loader builds it under `with torch.device(...)`).
-        positions = torch.arange(max_positions, dtype=torch.float, device="cpu")
-        freqs = positions[:, None] * inv_freq.float().cpu()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
         target = torch.empty(0).device  # the device of the enclosing `with torch.device(...)`, if any
-        self.register_buffer("cos", (emb.cos() * scaling).to(target), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(target), persistent=False)
+        # transformers' RoPE init functions mix devices under a device context (they return CPU
+        # tensors): build everything inside an explicit CPU context, move the result once.
+        with torch.device("cpu"):
+            cos, sin = _rope_tables(config, head_dim, max_positions)
+        self.register_buffer("cos", cos.to(target), persistent=False)
+        self.register_buffer("sin", sin.to(target), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def _rope_tables(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scaling = 1.0
+    else:  # llama3, linear, yarn, ...: transformers' own definitions of the frequencies
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+            raise NotImplementedError(f"RoPE type {rope_type!r} is not supported")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
 
 
 class Attention(nn.Module):
