@@ -244,7 +244,7 @@ def build_model(sz: Sizes, folder: Path, layers: int, dtype_name: str) -> Path:
 
 def check_model(sz: Sizes, work: Path) -> Path:
     """Sections b and c: 4 layers, stored in bf16 (loaded as fp32 for b: the same values)."""
-    return build_model(sz, work / "llama-1b-shape-4l", sz.check_layers, "bfloat16")
+    return build_model(sz, work / f"llama-1b-shape-check-{sz.check_layers}l", sz.check_layers, "bfloat16")
 
 
 def _prompts(sz: Sizes, lens, seed: int) -> list[list[int]]:
@@ -606,7 +606,7 @@ def section_throughput(sz: Sizes, work: Path, rep: Report) -> bool:
 
     LLM, SamplingParams = _engine_imports()
     dtype = "bfloat16" if not sz.dry else "float32"
-    folder = build_model(sz, work / f"llama-1b-shape-{sz.bench_layers}l", sz.bench_layers, dtype)
+    folder = build_model(sz, work / f"llama-1b-shape-bench-{sz.bench_layers}l", sz.bench_layers, dtype)
     copy_bw = copy_bandwidth(sz.device, sz.copy_bytes, timer(sz.device) if not sz.dry else _once)
     rep.results["copy_bandwidth_GBps"] = copy_bw / 1e9
     rows = rep.results.setdefault("rows", [])
