@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pagedq on a GPU in one short slot: ops/bench/gpu_check.py (about 4 minutes on an H200, never over 6).
+# pagedq on a GPU in one short slot: ops/bench/gpu_check.py (time-boxed: never past its 350 s budget).
 #
 #   bash ops/bench/gpu.sh [OUT_DIR] [gpu_check options]   # from anywhere; OUT_DIR defaults below
 #   PY=/path/to/python bash ops/bench/gpu.sh

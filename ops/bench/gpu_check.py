@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """pagedq's GPU path in one run: correctness first, then speed, sized for a few minutes on one GPU.
 
-    python3 ops/bench/gpu_check.py --out DIR              # on a CUDA machine (about 4 minutes on an H200)
+    python3 ops/bench/gpu_check.py --out DIR              # on a CUDA machine (never past --budget, 350 s)
     python3 ops/bench/gpu_check.py --dry-run --out DIR    # the same flow on CPU: Triton interpreter, tiny shapes
     python3 ops/bench/gpu_check.py --sections a,c ...     # some sections only
 

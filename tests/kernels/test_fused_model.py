@@ -1,14 +1,14 @@
 """The model's fused path (the one CUDA takes: fused norms, SiLU-mul, rotary folded into the KV write,
-Triton attention) computes the plain path's logits. Here on CPU tensors with the Triton interpreter;
-on CUDA in tests/gpu."""
+Triton attention) computes the plain path's logits: on CPU tensors with the Triton interpreter, and on
+CUDA (marked gpu) with real kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from model_steps import run_steps
 
 from kernels import use_backend
+from ops.bench.gpu_check import run_steps
 from worker.models.loader import load_model
 
 

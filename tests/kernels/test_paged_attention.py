@@ -198,3 +198,15 @@ def test_strided_out(backend):
     assert got is out
     _check(case, got)
     assert big[:, 0].isnan().all() and big[:, 5].isnan().all()
+
+
+def test_cached_workspace_only_grows_and_keeps_outgrown_buffers():
+    """A CUDA graph captured on a workspace keeps writing into it: growing must not free it."""
+    from kernels import decode
+
+    small = decode.cached_workspace(4, 3, 40, torch.device("cpu"))
+    assert decode.cached_workspace(2, 3, 40, torch.device("cpu")) is small  # big enough: reused
+    grown = decode.cached_workspace(small.rows + 1, 3, 40, torch.device("cpu"))
+    assert grown is not small and grown.rows >= 2 * small.rows and grown.fits(small.rows + 1, 3, 40)
+    assert any(ws is small for ws in decode._retired)
+    assert decode.reserve_decode_workspace(grown.rows, 3, 40, "cpu") is grown
