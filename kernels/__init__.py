@@ -1,11 +1,29 @@
-"""Attention over the paged KV cache: Triton on CUDA, plain torch elsewhere (see dispatch.py)."""
+"""Attention over the paged KV cache and the fused layer ops: Triton on CUDA, plain torch elsewhere
+(see dispatch.py)."""
 
 # The submodule kernels.paged_attention is loaded here, before the function of the same name is bound:
 # loaded later (lazily, by the dispatcher) it would rebind the package attribute `paged_attention`
 # from the function to the module.
 from kernels import paged_attention as _triton_attention_module  # noqa: F401
 from kernels.cache_ops import copy_blocks
+from kernels.decode import DecodeWorkspace, decode_num_partitions, reserve_decode_workspace
 from kernels.dispatch import paged_attention, set_backend, use_backend, write_kv
+from kernels.fused import add_rms_norm, rms_norm, rotary_embedding, rotary_write_kv, silu_and_mul
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "copy_blocks", "paged_attention", "set_backend", "use_backend", "write_kv"]
+__all__ = [
+    "AttentionMetadata",
+    "DecodeWorkspace",
+    "add_rms_norm",
+    "copy_blocks",
+    "decode_num_partitions",
+    "paged_attention",
+    "reserve_decode_workspace",
+    "rms_norm",
+    "rotary_embedding",
+    "rotary_write_kv",
+    "set_backend",
+    "silu_and_mul",
+    "use_backend",
+    "write_kv",
+]

@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
+from kernels.triton_compat import HAS_TRITON, jit, next_power_of_2, tl
 
-    jit = triton.jit
-except ImportError:  # no Triton wheel for this platform: the module still imports, nothing launches
-    triton = tl = None
-
-    def jit(fn):
-        return fn
-
-
-HAS_TRITON = triton is not None
+__all__ = ["HAS_TRITON", "copy_blocks", "write_kv_triton"]
 
 
 @jit
@@ -83,9 +73,9 @@ def write_kv_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads,
-        H_PAD=triton.next_power_of_2(num_heads),
+        H_PAD=next_power_of_2(num_heads),
         HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim),
+        D_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
     )  # fmt: skip
 

@@ -56,9 +56,12 @@ def backend_for(tensor: torch.Tensor) -> str:
     return "triton" if tensor.is_cuda else "cpu"
 
 
-def _need_triton(has_triton: bool) -> None:
-    if not has_triton:
-        raise RuntimeError("the triton attention backend needs the triton package, which is not installed")
+def need_triton() -> None:
+    """Raise a clear error when a call went to the Triton backend and Triton is not installed."""
+    from kernels.triton_compat import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise RuntimeError("the triton backend needs the triton package, which is not installed")
 
 
 def write_kv(
@@ -70,9 +73,9 @@ def write_kv(
 ) -> None:
     """Store key/value `[T, Hkv, D]` at `slot_mapping` (block_id * block_size + offset; < 0 = skip)."""
     if backend_for(k_cache) == "triton":
-        from kernels.cache_ops import HAS_TRITON, write_kv_triton
+        from kernels.cache_ops import write_kv_triton
 
-        _need_triton(HAS_TRITON)
+        need_triton()
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         from kernels.reference import write_kv_ref
@@ -96,9 +99,9 @@ def paged_attention(
     is visible iff q_pos - k_pos < w. `out`, when given, receives the result and is returned.
     """
     if backend_for(query) == "triton":
-        from kernels.paged_attention import HAS_TRITON, paged_attention_triton
+        from kernels.paged_attention import paged_attention_triton
 
-        _need_triton(HAS_TRITON)
+        need_triton()
         return paged_attention_triton(
             query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out
         )

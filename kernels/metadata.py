@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.decode import DecodeWorkspace
 
 
 @dataclass
@@ -19,6 +23,11 @@ class AttentionMetadata:
 
     The first `num_decodes` requests have exactly one query token (the decode fast path); the rest may
     have any length >= 1. `max_query_len` / `max_seq_len` are host ints so no kernel needs a device sync.
+
+    Inside a CUDA graph the Triton decode path reads only device tensors plus `num_decodes`,
+    `decode_partitions` (the split-K grid, fixed per captured batch size: `kernels.decode_num_partitions`)
+    and `decode_workspace` (the partial-output buffer, allocated once). Padded requests have seq_len 0
+    and slot -1: they attend nothing and write nothing to the cache.
     """
 
     query_start_loc: torch.Tensor  # int32 [B + 1]
@@ -34,6 +43,9 @@ class AttentionMetadata:
     # Scratch for a backend to memoise what it derives once per step and reuses in every layer
     # (gather indices, masks). Keyed by the backend's own names.
     derived: dict = field(default_factory=dict)
+    # Triton decode split and partial-output buffer; None: chosen from the lengths / a cached buffer.
+    decode_partitions: int | None = None
+    decode_workspace: DecodeWorkspace | None = None
 
     @property
     def num_seqs(self) -> int:

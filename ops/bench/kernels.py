@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # (Hq, Hkv, D)
+MODELS = {"smollm2": (9, 3, 64), "llama1b": (32, 8, 64), "llama8b": (32, 8, 128)}  # (Hq, Hkv, D)
+# Same group shapes with fewer heads, for runs under the Triton interpreter (it pays per program).
+SMALL_HEADS = {"smollm2": (3, 1, 64), "llama1b": (4, 1, 64), "llama8b": (4, 1, 128), "tiny": (4, 2, 32)}
 BLOCK_SIZE = 16
 # Relative error bounds of Triton vs the reference, both in the input dtype: the reference rounds the
 # scores to the input type (HF eager style), the kernel rounds P before P @ V; a few units of roundoff.
@@ -151,41 +153,50 @@ def free_bytes(device: str) -> int:
 
 
 def check_correctness(device: str, small: bool) -> list[dict]:
-    """Triton vs the torch reference on the same device; every output poisoned with NaN first."""
+    """Triton vs the torch reference on the same device; every output poisoned with NaN first.
+    `split` cases force (num_partitions, min_partition) on the decode grid."""
     from kernels import paged_attention, use_backend, write_kv
     from kernels.paged_attention import paged_attention_triton
 
     long = 300 if small else 5000
+    heads = SMALL_HEADS if small else MODELS
     mixed = ([1, 16, 130, long, 1 + long // 3, 37, 100 + 37, 60], [1, 1, 1, 1, 1, 1, 37, 60])
     cases = [
-        ("mixed llama8b heads", mixed, MODELS["llama8b"], None, None, 16),
-        ("mixed llama8b heads, window 64", mixed, MODELS["llama8b"], 64, None, 16),
-        ("mixed smollm2 heads, block 32", mixed, MODELS["smollm2"], None, None, 32),
-        ("D=80, MHA", ([5, 77, 200], [1, 1, 50]), (4, 4, 80), None, None, 16),
-        ("decode forced split 64", ([long, 65, 3], [1, 1, 1]), MODELS["llama8b"], None, 64, 16),
-        ("decode auto split", ([4 * long], [1]), MODELS["llama8b"], None, None, 16),
+        ("mixed llama8b heads", mixed, heads["llama8b"], None, None, 16),
+        ("mixed llama8b heads, window 64", mixed, heads["llama8b"], 64, None, 16),
+        ("mixed llama1b heads", mixed, heads["llama1b"], None, None, 16),
+        ("mixed smollm2 heads, block 32", mixed, heads["smollm2"], None, None, 32),
+        ("D=80, MHA", ([5, 77, 200], [1, 1, 50]), (4, 4, 80) if not small else (2, 2, 80), None, None, 16),
+        ("decode forced split 8 x >=64", ([long, 65, 3], [1, 1, 1]), heads["llama8b"], None, (8, 64), 16),
+        ("decode forced split, window 100", ([long, 65, 3], [1, 1, 1]), heads["llama1b"], 100, (8, 64), 16),
+        ("decode auto split", ([4 * long], [1]), heads["llama8b"], None, None, 16),
     ]
     dtypes = [torch.float16] if device == "cpu" else [torch.bfloat16, torch.float16]  # no bf16 in the interpreter
+    # The first dtype gets every case; the others a mixed batch and a split (each case compiles kernels).
+    second = {"mixed llama1b heads", "decode forced split 8 x >=64", "mixed llama8b heads, window 64"}
     rows = []
     for dtype in dtypes:
-        for name, (seq, qlen), heads, window, part, bs in cases:
-            q, kc, vc, meta = build_problem(seq, qlen, heads, dtype, device, block_size=bs)
-            scale = heads[2] ** -0.5
+        for name, (seq, qlen), shape, window, split, bs in cases:
+            if dtype != dtypes[0] and name not in second:
+                continue
+            q, kc, vc, meta = build_problem(seq, qlen, shape, dtype, device, block_size=bs)
+            scale = shape[2] ** -0.5
             with use_backend("torch"):
                 ref = paged_attention(q, kc, vc, meta, scale=scale, sliding_window=window)
             out = torch.full_like(q, float("nan"))
-            if part is None:
+            if split is None:
                 with use_backend("triton"):
                     got = paged_attention(q, kc, vc, meta, scale=scale, sliding_window=window, out=out)
             else:
                 got = paged_attention_triton(
-                    q, kc, vc, meta, scale=scale, sliding_window=window, out=out, partition_size=part
-                )
+                    q, kc, vc, meta, scale=scale, sliding_window=window, out=out,
+                    num_partitions=split[0], min_partition=split[1],
+                )  # fmt: skip
             err = rel_err(got, ref)
             ok = bool(torch.isfinite(got).all()) and err < TOLERANCE[dtype]
             rows.append({"check": name, "dtype": str(dtype).removeprefix("torch."), "rel_err": err, "ok": ok})
         # write_kv: both backends must store bit-identical caches, and skip negative slots.
-        _, hkv, d = MODELS["llama8b"]
+        _, hkv, d = heads["llama8b"]
         key = torch.randn(40, 3 * hkv, d, device=device, dtype=dtype)[:, hkv : 2 * hkv]  # strided view
         slots = torch.randperm(8 * BLOCK_SIZE, device=device)[:40]
         slots[::5] = -1
@@ -217,7 +228,7 @@ def time_decode(
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     rows = []
     for model in models:
-        hq, hkv, d = MODELS[model]
+        hq, hkv, d = MODELS[model] if model in MODELS else SMALL_HEADS[model]
         es = torch.tensor([], dtype=dtype).element_size()
         for ctx in contexts:
             for batch in batches:

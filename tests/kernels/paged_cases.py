@@ -50,8 +50,10 @@ def make_case(
     strided_query: bool = False,
     host_lens: bool = True,
     num_decodes: int | None = None,
+    device: str = "cpu",
 ) -> Case:
-    """A batch whose first `num_decodes` requests (default: the leading one-token ones) are decodes."""
+    """A batch whose first `num_decodes` requests (default: the leading one-token ones) are decodes.
+    Built on the CPU from a seeded generator, then moved to `device`."""
     assert len(seq_lens) == len(query_lens)
     assert all(1 <= q <= s for q, s in zip(query_lens, seq_lens))
     gen = torch.Generator().manual_seed(seed)
@@ -80,39 +82,40 @@ def make_case(
     total = sum(query_lens)
     if strided_query:  # like a slice of a fused QKV projection
         fused = torch.randn(total, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
-        query = fused[:, :num_q_heads]
+        query = fused.to(device)[:, :num_q_heads]
     else:
-        query = torch.randn(total, num_q_heads, head_dim, generator=gen).to(dtype)
+        query = torch.randn(total, num_q_heads, head_dim, generator=gen).to(dtype).to(device)
     loc = [0]
     for q in query_lens:
         loc.append(loc[-1] + q)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.full((total,), -1, dtype=torch.int64),
+        query_start_loc=torch.tensor(loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         num_decodes=num_decodes,
         query_lens_host=list(query_lens) if host_lens else None,
         seq_lens_host=list(seq_lens) if host_lens else None,
     )
-    return Case(query, k_cache, v_cache, meta, head_dim**-0.5, window)
+    return Case(query, k_cache.to(device), v_cache.to(device), meta, head_dim**-0.5, window)
 
 
 def dense_attention(case: Case) -> torch.Tensor:
-    """float64 attention computed request by request from the gathered cache: the oracle."""
+    """float64 attention computed request by request from the gathered cache, on the CPU: the oracle."""
     m = case.meta
     bs = case.k_cache.shape[1]
     hq, hkv = case.query.shape[1], case.k_cache.shape[2]
+    query, k_cache, v_cache, tables = case.query.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), m.block_tables.cpu()
     out = torch.zeros(case.query.shape, dtype=torch.float64)
     loc = m.query_start_loc.tolist()
     for i, s in enumerate(m.seq_lens.tolist()):
-        q = case.query[loc[i] : loc[i + 1]].double()  # [q, Hq, D]
+        q = query[loc[i] : loc[i + 1]].double()  # [q, Hq, D]
         pos = torch.arange(s)
-        blk = m.block_tables[i].long()[pos // bs]
-        k = case.k_cache[blk, pos % bs].double().repeat_interleave(hq // hkv, dim=1)  # [s, Hq, D]
-        v = case.v_cache[blk, pos % bs].double().repeat_interleave(hq // hkv, dim=1)
+        blk = tables[i].long()[pos // bs]
+        k = k_cache[blk, pos % bs].double().repeat_interleave(hq // hkv, dim=1)  # [s, Hq, D]
+        v = v_cache[blk, pos % bs].double().repeat_interleave(hq // hkv, dim=1)
         qpos = torch.arange(s - q.shape[0], s).view(-1, 1)
         visible = pos.view(1, -1) <= qpos
         if case.window:
@@ -125,7 +128,7 @@ def dense_attention(case: Case) -> torch.Tensor:
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """‖got - want‖ / ‖want‖ in float64 (NaN when got has NaN: fails any `<` check)."""
-    got, want = got.double(), want.double()
+    got, want = got.double().cpu(), want.double().cpu()
     return ((got - want).norm() / want.norm()).item()
 
 
@@ -183,7 +186,7 @@ def random_shape(seed: int, *, max_context: int = 160) -> Shape:
     )
 
 
-def case_from_shape(shape: Shape, dtype: torch.dtype, seed: int) -> Case:
+def case_from_shape(shape: Shape, dtype: torch.dtype, seed: int, device: str = "cpu") -> Case:
     return make_case(
         shape.seq_lens,
         shape.query_lens,
@@ -197,4 +200,5 @@ def case_from_shape(shape: Shape, dtype: torch.dtype, seed: int) -> Case:
         strided_query=shape.strided_query,
         host_lens=shape.host_lens,
         num_decodes=shape.num_decodes,
+        device=device,
     )

@@ -1,4 +1,4 @@
-"""write_kv (Triton under the interpreter, and the torch path) and copy_blocks."""
+"""write_kv (Triton: interpreter on CPU tensors, real on CUDA; and the torch path) and copy_blocks."""
 
 from __future__ import annotations
 
@@ -25,15 +25,16 @@ def _expected(key, value, k_cache, v_cache, slots):
     ("num_kv_heads", "head_dim", "block_size", "dtype"),
     [(1, 64, 16, torch.float32), (3, 80, 32, torch.float16), (2, 96, 8, torch.float32), (4, 128, 16, torch.float16)],
 )
-def test_write_kv(impl, num_kv_heads, head_dim, block_size, dtype):
+def test_write_kv(impl, num_kv_heads, head_dim, block_size, dtype, device):
     gen = torch.Generator().manual_seed(num_kv_heads * head_dim)
     num_blocks, tokens = 6, 21
     # key/value as strided views of a fused projection output, like the model passes them.
-    fused = torch.randn(tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    fused = torch.randn(tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
     key, value = fused[:, num_kv_heads : 2 * num_kv_heads], fused[:, 2 * num_kv_heads :]
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[::4] = -1  # padding tokens: not written
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots = slots.to(device)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
     v_cache = torch.randn_like(k_cache)
     k_want, v_want = _expected(key, value, k_cache, v_cache, slots)
     impl(key, value, k_cache, v_cache, slots)

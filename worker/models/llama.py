@@ -1,5 +1,11 @@
 """The Llama family on the paged KV cache: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm),
-SmolLM2. One flattened token axis, fused QKV and gate/up projections, attention through `kernels`."""
+SmolLM2. One flattened token axis, fused QKV and gate/up projections, attention through `kernels`.
+
+On CUDA the elementwise work between the matmuls goes through fused kernels (`kernels.add_rms_norm`,
+`kernels.silu_and_mul`, `kernels.rotary_write_kv`: rotary embedding folded into the KV-cache write),
+about 10 launches per layer instead of about 37. Elsewhere the plain torch code below runs, operation
+for operation what transformers computes. `LlamaForCausalLM.use_fused_ops` forces either path.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from torch import nn
 
 import kernels
 from kernels import AttentionMetadata
+from kernels.fused import rms_norm_ref, rotate_ref
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -24,43 +31,44 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same operation order as transformers: normalise in fp32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position, built once (fp32, as transformers computes them)."""
+    """cos/sin tables `[max_positions, head_dim]` for every position, built once in fp32 on the CPU (as
+    transformers computes them there), then moved to the device the model is being built on."""
 
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
-        else:  # llama3, linear, yarn, ...: transformers' own definitions of the frequencies
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
-                raise NotImplementedError(f"RoPE type {rope_type!r} is not supported")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        target = torch.empty(0).device  # the device of the enclosing `with torch.device(...)`, if any
+        # transformers' RoPE init functions mix devices under a device context (they return CPU
+        # tensors): build everything inside an explicit CPU context, move the result once.
+        with torch.device("cpu"):
+            cos, sin = _rope_tables(config, head_dim, max_positions)
+        self.register_buffer("cos", cos.to(target), persistent=False)
+        self.register_buffer("sin", sin.to(target), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rope_tables(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scaling = 1.0
+    else:  # llama3, linear, yarn, ...: transformers' own definitions of the frequencies
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+            raise NotImplementedError(f"RoPE type {rope_type!r} is not supported")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
 
 
 class Attention(nn.Module):
@@ -89,10 +97,13 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`cos_sin`: this step's per-token tables (unfused), or the Rotary module itself with
+        `positions` (fused)."""
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -101,9 +112,13 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
         k_cache, v_cache = kv_cache
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if isinstance(cos_sin, Rotary):  # fused: rotate q and k in place, k and v straight into the cache
+            rope = cos_sin
+            kernels.rotary_write_kv(positions, q, k, v, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
+        else:
+            q, k = rotate_ref(q, *cos_sin), rotate_ref(k, *cos_sin)
+            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
         return F.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
@@ -133,8 +148,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Module()
         self.down_proj.weight = _param(config.hidden_size, self.intermediate, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_proj.weight)
+        if fused:
+            return F.linear(kernels.silu_and_mul(gate_up), self.down_proj.weight)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
@@ -149,6 +167,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, positions, kv_cache, meta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller adds the two, fused
+        into the next norm. The same sums in the same dtype as `forward`."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = x, kernels.rms_norm(x, ln1.weight, ln1.eps)
+        else:
+            h, residual = kernels.add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        a = self.self_attn(h, rotary, kv_cache, meta, positions)
+        h, residual = kernels.add_rms_norm(a, residual, ln2.weight, ln2.eps)
+        return self.mlp(h, fused=True), residual
 
 
 # HF checkpoint names that land in a slice of one of our fused parameters: (part, fused, shard index).
@@ -179,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = Rotary(config, attn.head_dim, max_positions or config.max_position_embeddings)
+        # None: fused kernels on CUDA tensors, the plain torch path elsewhere; True/False forces one.
+        self.use_fused_ops: bool | None = None
 
     def forward(
         self,
@@ -189,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens.weight)
+        fused = self.use_fused_ops if self.use_fused_ops is not None else x.is_cuda
+        if fused:
+            residual = None
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer.forward_fused(x, residual, self.rotary, positions, cache, meta)
+            return kernels.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
         cos_sin = self.rotary.tables(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos_sin, cache, meta)

@@ -1,0 +1,98 @@
+"""Fused layer ops: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding (+ KV-cache write).
+
+Each goes to a Triton kernel for CUDA tensors (kernels/fused_triton.py) and to plain torch elsewhere,
+following the same backend choice as attention (kernels/dispatch.py). The torch versions compute
+exactly what the unfused model code computes; they are the fallback and the tests' reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import backend_for, need_triton
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same operation order as transformers: normalise in fp32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` (cos/sin already in x's dtype, broadcastable)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim."""
+    if backend_for(x) == "triton":
+        from kernels.fused_triton import rms_norm_triton
+
+        need_triton()
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual): the residual add and the next norm in one pass."""
+    if backend_for(x) == "triton":
+        from kernels.fused_triton import rms_norm_triton
+
+        need_triton()
+        return rms_norm_triton(x, weight, eps, residual=residual)
+    summed = x + residual
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for x = [gate | up] along the last dim."""
+    if backend_for(x) == "triton":
+        from kernels.fused_triton import silu_and_mul_triton
+
+        need_triton()
+        return silu_and_mul_triton(x)
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotate query `[T, Hq, D]` and key `[T, Hkv, D]` in place by the fp32 tables `cos`/`sin`
+    `[max_positions, D]` (halves repeated, transformers' layout) at `positions` `[T]`."""
+    rotary_write_kv(positions, query, key, None, cos, sin, None, None, None)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+) -> None:
+    """`rotary_embedding`, then store the rotated keys and `value` at `slot_mapping` of the caches
+    (negative slots are skipped), in one kernel on CUDA. Without caches only the rotation happens."""
+    if backend_for(query) == "triton":
+        from kernels.fused_triton import rotary_triton
+
+        need_triton()
+        rotary_triton(positions, query, key, cos, sin, value, k_cache, v_cache, slot_mapping)
+        return
+    c = cos[positions].to(query.dtype).unsqueeze(1)
+    s = sin[positions].to(query.dtype).unsqueeze(1)
+    query.copy_(rotate_ref(query, c, s))
+    key.copy_(rotate_ref(key, c, s))
+    if k_cache is not None:
+        from kernels.reference import write_kv_ref
+
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
