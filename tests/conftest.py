@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
     has_cuda = torch is not None and torch.cuda.is_available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none here)")
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(skip_gpu)
 
 

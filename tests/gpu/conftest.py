@@ -22,11 +22,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _HERE not in Path(str(item.path)).parents:
             continue
-        if item.get_closest_marker("gpu") is None:
-            # tests/conftest.py skips items whose keywords contain "gpu", and a folder named gpu puts
-            # that word in the keywords of everything inside it: take that skip back for unmarked tests.
-            item.own_markers[:] = [
-                m for m in item.own_markers if not (m.name == "skip" and "CUDA" in str(m.kwargs.get("reason", "")))
-            ]
-        elif interpreted and torch.cuda.is_available():
+        if item.get_closest_marker("gpu") is not None and interpreted and torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="real kernels need TRITON_INTERPRET=0 (pytest -m gpu)"))
