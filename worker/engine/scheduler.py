@@ -194,12 +194,16 @@ class Scheduler:
         cfg = self.config
         deferred: list[Sequence] = []  # long prompts waiting for their turn; shorter ones may pass
         partials = sum(self._partial(s.seq, s.num_new_tokens) for s in out.scheduled)
+        # A request with n samples holds n seats from admission on, though it forks only once its prompt is in.
+        seats_taken = len(self.running) + sum(
+            s.request.sampling_params.n - 1 for s in self.running if not s.request.forked
+        )
         while len(self.waiting) and budget > 0:
             seq = self.waiting.peek()
             if seq.request.isolated and (self.running or out.scheduled):
                 break
             seats = seq.request.sampling_params.n if not seq.request.forked else 1
-            if len(self.running) + seats > cfg.max_num_seqs:
+            if seats_taken + seats > cfg.max_num_seqs:
                 break
             salt = seq.request.cache_salt
             hits = self.kv.match_prefix(seq.token_ids, salt)
@@ -226,6 +230,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._schedule(out, seq, n)
+            seats_taken += seats
             budget -= n
             partials += partial
             if seq.request.isolated:
