@@ -188,6 +188,8 @@ class LLMEngine:
         self._snapshot = self._snapshots(len(self._accepted))
 
     def step(self) -> list[RequestOutput]:
+        """Apply queued commands and deadlines, then schedule -> execute -> update; returns the outputs of
+        every request that changed (new tokens, finished). Raises `StepFailed` when the forward raised."""
         started = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
         self._apply_commands(outputs)
