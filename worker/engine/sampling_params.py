@@ -8,7 +8,6 @@ service turns into these with `SamplingParams.from_wire`, and both are checked b
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,15 +19,15 @@ if TYPE_CHECKING:
     from producer_sdk import protocol
 
 _GREEDY_EPS = 1e-5
-_UNBOUNDED = sys.maxsize
+_UNBOUNDED = 10**9  # beyond anything a model can run, and still readable in an error message
 
+# Token ids keep the wire's bound (int32); max_logprobs is the engine config's, checked at add_request.
 ENGINE_LIMITS = Limits(
     max_n=_UNBOUNDED,
     max_tokens=_UNBOUNDED,
     max_stop=_UNBOUNDED,
     max_stop_chars=_UNBOUNDED,
     max_stop_token_ids=_UNBOUNDED,
-    token_id_bound=_UNBOUNDED,
     max_logprobs=_UNBOUNDED,
 )
 
