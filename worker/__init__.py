@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "EngineLimits", "EngineSnapshot", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 _EXPORTS = {
     "LLM": "worker.engine.llm",
     "LLMEngine": "worker.engine.engine",
     "EngineConfig": "worker.engine.config",
+    "EngineLimits": "worker.engine.stats",
+    "EngineSnapshot": "worker.engine.stats",
     "SamplingParams": "worker.engine.sampling_params",
     "RequestOutput": "worker.engine.outputs",
 }
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from worker.engine.llm import LLM
     from worker.engine.outputs import RequestOutput
     from worker.engine.sampling_params import SamplingParams
+    from worker.engine.stats import EngineLimits, EngineSnapshot
 
 
 def __getattr__(name: str):

@@ -67,12 +67,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except (ConfigError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    limits = engine.limits
     log.info(
         "model loaded",
-        kv_blocks=engine.kv.num_blocks,
-        block_size=engine.kv.block_size,
-        max_model_len=engine.max_model_len,
-        dtype=str(engine.runner.dtype),
+        kv_blocks=limits.num_kv_blocks,
+        block_size=limits.block_size,
+        max_model_len=limits.max_model_len,
+        dtype=limits.dtype,
     )
     service = WorkerService(engine, ServiceConfig.from_cli_args(args))
     return asyncio.run(service.run())

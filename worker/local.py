@@ -95,10 +95,10 @@ def run_up(args: argparse.Namespace) -> int:
         except (ConfigError, ModelLoadError) as e:
             say(f"error: {e}")
             return 2
-        kv_mib = engine.kv.num_blocks * engine.runner.bytes_per_block / 2**20
+        lim = engine.limits
         say(
-            f"model loaded in {time.monotonic() - t0:.1f}s ({engine.runner.dtype}, {engine.runner.device}); "
-            f"KV cache {engine.kv.num_blocks} blocks x {engine.kv.block_size} tokens = {kv_mib:.0f} MiB"
+            f"model loaded in {time.monotonic() - t0:.1f}s ({lim.dtype}, {lim.device}); "
+            f"KV cache {lim.num_kv_blocks} blocks x {lim.block_size} tokens = {lim.kv_cache_bytes / 2**20:.0f} MiB"
         )
         from worker.service.config import ServiceConfig
         from worker.service.server import WorkerService

@@ -112,8 +112,8 @@ def _pagedq_runner(spec: dict):
             "kv_blocks": eng.kv.num_blocks,
             "steps": eng.stats.steps,
             "preemptions": eng.stats.num_preemptions,
-            "max_num_batched_tokens": eng.scheduler_config.max_num_batched_tokens,
-            "chunked_prefill": eng.scheduler_config.enable_chunked_prefill,
+            "max_num_batched_tokens": eng.limits.max_num_batched_tokens,
+            "chunked_prefill": eng.config.enable_chunked_prefill,
         }
 
     return gen, extra, None

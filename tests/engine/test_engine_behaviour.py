@@ -35,8 +35,7 @@ def test_abort_frees_blocks_within_one_step(engine):
     engine.add_request("b", prompt_token_ids=list(range(2, 30)), params=SamplingParams(temperature=0, max_tokens=5))
     for _ in range(3):
         engine.step()
-    used = engine.kv.num_blocks - engine.kv.num_free_blocks
-    assert used > 0
+    assert engine.snapshot().num_free_kv_blocks < engine.limits.num_kv_blocks
     engine.abort_request("a")
     outs = {o.request_id: o for o in engine.step()}
     assert outs["a"].finished and outs["a"].outputs[0].finish_reason == "abort"
@@ -47,11 +46,11 @@ def test_abort_frees_blocks_within_one_step(engine):
 
 
 def test_expired_deadline_finishes_with_deadline_and_no_forward(engine):
-    steps_before = engine.stats.steps
+    steps_before = engine.snapshot().steps
     engine.add_request("late", prompt="hello", params=SamplingParams(max_tokens=5), deadline=time.time() - 1)
     outs = engine.step()
     assert [o.outputs[0].finish_reason for o in outs] == ["deadline"]
-    assert engine.stats.steps == steps_before  # no forward pass ran
+    assert engine.snapshot().steps == steps_before  # no forward pass ran
     assert_clean(engine)
 
 
@@ -83,7 +82,7 @@ def test_parallel_samples_share_the_prompt_prefilled_once(llama_dir):
     prompt = list(range(3, 3 + 40))  # 2.5 blocks: the partial third block is shared, then copied on write
     eng.add_request("p", prompt_token_ids=prompt, params=SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=12))
     eng.step()  # prefill + fork
-    assert eng.stats.prompt_tokens == len(prompt)  # computed once, not three times
+    assert eng.snapshot().prompt_tokens == len(prompt)  # computed once, not three times
     tables = [eng.kv.block_table(f"p#{i}") for i in range(3)]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]
     assert eng.kv.blocks[tables[0][0]].ref_count == 3
@@ -92,7 +91,7 @@ def test_parallel_samples_share_the_prompt_prefilled_once(llama_dir):
     assert [o.index for o in outs] == [0, 1, 2]
     assert all(len(o.token_ids) == 12 for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) > 1  # seeds differ per sample
-    assert eng.stats.prompt_tokens == len(prompt)
+    assert eng.snapshot().prompt_tokens == len(prompt)
     assert_clean(eng)
 
 
@@ -309,7 +308,7 @@ def test_long_prompts_take_turns_in_chunked_prefill(llama_dir, partials):
     eng.add_request("short", prompt_token_ids=[7] * 20, params=SamplingParams(max_tokens=2))
     eng.step()
     # the short prompt fits whole (not a partial prefill); the long ones chunk 64 at a time
-    assert eng.stats.last_step_tokens == 20 + 64 * partials
+    assert eng.snapshot().last_step_tokens == 20 + 64 * partials
     drain(eng)
     assert_clean(eng)
 

@@ -38,8 +38,11 @@ def oracle(tiny_model_dirs):
 
 
 def assert_clean(engine: LLMEngine) -> None:
-    """Nothing leaked: every block free, no request or sequence left anywhere."""
+    """Nothing leaked: every block free, no request or sequence left anywhere (and the snapshot says so)."""
     assert not engine.has_unfinished_requests()
+    snap = engine.snapshot()
+    assert (snap.unfinished, snap.running, snap.waiting) == (0, 0, 0)
+    assert snap.num_free_kv_blocks == snap.num_kv_blocks and snap.kv_usage == 0.0
     assert engine.requests == {}
     assert engine.scheduler.running == [] and len(engine.scheduler.waiting) == 0
     assert engine.kv.num_seqs() == 0
@@ -80,10 +83,10 @@ def test_greedy_equals_transformers(tiny_model_dirs, oracle, config):
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g == w, f"{fam}/{config}: prompt {i} ({len(prompts[i])} tokens) diverged"
         if config == "tiny-pool":
-            assert engine.stats.num_preemptions > 0, "the pool was meant to be too small"
+            assert engine.snapshot().num_preemptions > 0, "the pool was meant to be too small"
         if config == "prefix-cache":
-            hits_before = engine.kv.prefix_hits_tokens
+            hits_before = engine.snapshot().prefix_hits_tokens
             got = run(engine, prefixed, 12, stagger=False)
             assert got == want_prefixed
-            assert engine.kv.prefix_hits_tokens - hits_before >= 5 * 80 // 16 * 16
+            assert engine.snapshot().prefix_hits_tokens - hits_before >= 5 * 80 // 16 * 16
         assert_clean(engine)

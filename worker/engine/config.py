@@ -1,5 +1,5 @@
-"""Engine options, with vLLM's names. One flat `EngineConfig` is what users set; the cache and the
-scheduler get the derived, resolved `CacheConfig` and `SchedulerConfig` once the model is known."""
+"""Engine options, with vLLM's names. One flat `EngineConfig` is what users set; the scheduler gets the
+derived, resolved `SchedulerConfig` once the model is known."""
 
 from __future__ import annotations
 
@@ -89,14 +89,6 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         return from_cli_args(cls, args, **overrides)
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int
-    num_blocks: int
-    enable_prefix_caching: bool
-    watermark: float
 
 
 @dataclass(frozen=True)

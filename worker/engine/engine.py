@@ -1,8 +1,14 @@
 """LLMEngine: requests in, one scheduled forward per `step()`, outputs out.
 
-Thread model: `add_request` / `abort_request` may be called from any thread (they only queue a
-command); everything else, `step()` included, runs on one engine thread. Commands are applied at
-the start of the next step, so an abort frees its blocks within one step.
+One step reads as schedule -> execute -> update: the `Scheduler` (scheduler.py) picks the sequences
+and their token counts and hands over their block tables, the `ModelRunner` (model_runner.py) runs
+one forward over that batch and samples, and the `OutputProcessor` (output_processor.py) appends the
+tokens, applies the stops and builds the outputs. Prompts become requests in input_processor.py.
+
+Thread model: `add_request` / `abort_request` may be called from any thread (they tokenize on the
+caller's thread and queue a command), and so may `snapshot()` and `limits`; everything else, `step()`
+included, runs on one engine thread. Commands are applied at the start of the next step, so an abort
+frees its blocks within one step.
 """
 
 from __future__ import annotations
@@ -11,53 +17,24 @@ import itertools
 import queue
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.config import EngineConfig, SchedulerConfig
+from worker.engine.errors import PromptTooLong, RequestError, StepFailed
+from worker.engine.input_processor import InputProcessor, find_eos_token_ids
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampleRow
-from worker.engine.outputs import CompletionOutput, RequestOutput
+from worker.engine.output_processor import OutputProcessor
+from worker.engine.outputs import RequestOutput
 from worker.engine.request import Request, SeqStatus, Sequence
+from worker.engine.sampler import SamplerOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.stats import EngineLimits, EngineSnapshot, EngineStats, SnapshotMaker
 from worker.models.loader import load_model, load_tokenizer
 
-
-class RequestError(ValueError):
-    """A request cannot be accepted (empty or too long prompt, duplicate id, bad parameters)."""
-
-    code = "invalid_request"
-
-
-class PromptTooLong(RequestError):
-    code = "prompt_too_long"
-
-
-class StepFailed(RuntimeError):
-    """The forward of one step raised. `request_ids` were in that step (one of them may be a poison
-    request); `outputs` are what the step produced before it failed (deadlines, aborts). The engine is
-    still usable once the caller `discard`s or retries those requests."""
-
-    def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException) -> None:
-        super().__init__(f"engine step failed for {len(request_ids)} requests: {cause!r}")
-        self.request_ids = request_ids
-        self.outputs = outputs
-
-
-@dataclass
-class EngineStats:
-    """Counters since start, and the last step's shape (the service turns them into metrics)."""
-
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int = 0
-    num_preemptions: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    last_step_tokens: int = 0
-    last_step_seqs: int = 0
+__all__ = ["EngineLimits", "EngineSnapshot", "LLMEngine", "PromptTooLong", "RequestError", "StepFailed"]
 
 
 class LLMEngine:
@@ -67,7 +44,6 @@ class LLMEngine:
         if not cfg.model:
             raise ValueError("EngineConfig.model is required")
         loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer)
-        self.model_config = loaded.config
         self.tokenizer = load_tokenizer(loaded.tokenizer_path, loaded.gguf_file)
         model_limit = int(getattr(loaded.config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.max_model_len or model_limit, model_limit)
@@ -84,8 +60,10 @@ class LLMEngine:
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             max_num_partial_prefills=cfg.max_num_partial_prefills,
         )
+        self.eos_token_ids = find_eos_token_ids(loaded.tokenizer_path, loaded.config, self.tokenizer)
         self.runner = ModelRunner(
             loaded,
+            eos_token_ids=self.eos_token_ids,
             block_size=cfg.block_size,
             max_model_len=self.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
@@ -94,9 +72,6 @@ class LLMEngine:
             kv_cache_memory=cfg.kv_cache_memory,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
         )
-        self.cache_config = CacheConfig(
-            cfg.block_size, self.runner.num_blocks, cfg.enable_prefix_caching, cfg.watermark
-        )
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             cfg.block_size,
@@ -104,48 +79,41 @@ class LLMEngine:
             watermark=cfg.watermark,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.eos_token_ids = self._eos_ids(loaded)
-        self.runner.eos_token_ids = self.eos_token_ids
+        vocab_size = int(loaded.config.vocab_size)
+        self.input_processor = InputProcessor(
+            self.tokenizer, vocab_size=vocab_size, max_model_len=self.max_model_len, max_logprobs=cfg.max_logprobs
+        )
+        self.output_processor = OutputProcessor(
+            self.tokenizer, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
+        )
+        self.limits = EngineLimits(
+            model=cfg.model,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            block_size=cfg.block_size,
+            num_kv_blocks=self.runner.num_blocks,
+            kv_cache_bytes=self.runner.num_blocks * self.runner.bytes_per_block,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            max_logprobs=cfg.max_logprobs,
+            vocab_size=vocab_size,
+        )
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._accepted: set[str] = set()  # ids added and not yet finished (any thread may read)
         self._auto_id = itertools.count()
         self.stats = EngineStats()
+        self._snapshots = SnapshotMaker(self.stats, self.scheduler, self.kv)
+        self._snapshot = self._snapshots(len(self._accepted))
         torch.manual_seed(cfg.seed)
 
-    def _eos_ids(self, loaded) -> frozenset[int]:
-        from pathlib import Path
+    # --- requests in (any thread) ------------------------------------------------------------
 
-        ids: list[int] = []
-        try:
-            from transformers import GenerationConfig
-
-            folder = Path(loaded.tokenizer_path)
-            if (folder / "generation_config.json").exists():
-                eos = GenerationConfig.from_pretrained(folder).eos_token_id
-                ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-        except (OSError, ValueError):
-            pass
-        if not ids:
-            eos = getattr(loaded.config, "eos_token_id", None) or self.tokenizer.eos_token_id
-            ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-        return frozenset(ids)
-
-    # --- requests in -------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        if messages is not None:
-            if not self.tokenizer.chat_template:
-                raise RequestError("this model has no chat template: send a prompt instead of messages")
-            # transformers renders templates in jinja2's immutable sandbox: a template cannot reach Python
-            # internals, and message contents are data, never template code. Whatever the template raises
-            # (its own raise_exception on bad roles, a sandbox violation) is this request's error.
-            try:
-                rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:
-                raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from e
-            return self.tokenizer(rendered, add_special_tokens=False).input_ids
-        return self.tokenizer(prompt).input_ids
+    def encode_prompt(
+        self, prompt: str | None = None, messages: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.input_processor.encode_prompt(prompt, messages, add_generation_prompt)
 
     def add_request(
         self,
@@ -161,48 +129,32 @@ class LLMEngine:
         cache_salt: str | None = None,
         resume: Seq[Seq[int]] | None = None,
         isolated: bool = False,
+        add_generation_prompt: bool = True,
     ) -> str:
         """Queue a request for the next step; returns its id. Raises `RequestError` if it cannot run.
 
         `resume` continues a request another worker started: per sample, the output tokens already
         delivered. They are recomputed as context (not sampled again) and count toward max_tokens.
         `isolated` runs the request in steps of its own (a suspect after a failed step).
+        `add_generation_prompt` is passed to the chat template (`messages` only).
         """
-        params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._auto_id)}"
         if request_id in self._accepted:
             raise RequestError(f"request id {request_id!r} is already running")
-        if prompt is not None and not isinstance(prompt, str):
-            prompt_token_ids, prompt = list(prompt), None
-        if prompt_token_ids is None:
-            prompt_token_ids = self.encode_prompt(prompt, messages)
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise RequestError(f"request {request_id}: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise RequestError(f"request {request_id}: prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLong(
-                f"request {request_id}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
-                "(prompt + at least one generated token must fit)"
-            )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise RequestError(f"request {request_id}: logprobs={params.logprobs} > max_logprobs")
-        if resume is not None and len(resume) != params.n:
-            raise RequestError(f"request {request_id}: resume holds {len(resume)} samples, n={params.n}")
-        req = Request(
+        req = self.input_processor.process(
             request_id,
-            ids,
-            params,
-            prompt=prompt,
+            prompt,
+            params or SamplingParams(),
+            prompt_token_ids=prompt_token_ids,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            resume=resume,
             priority=priority,
             arrival_time=arrival_time,
             deadline=deadline,
             cache_salt=cache_salt,
+            isolated=isolated,
         )
-        req.resume = [list(r) for r in resume] if resume is not None else None
-        req.isolated = isolated
         self._accepted.add(request_id)
         self._inbox.put(("add", req))
         return request_id
@@ -211,8 +163,20 @@ class LLMEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             self._inbox.put(("abort", rid))
 
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._accepted) or not self._inbox.empty()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._accepted)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The state after the latest step (immutable; replaced, never changed, by the engine thread)."""
+        return self._snapshot
+
+    # --- engine thread -----------------------------------------------------------------------
+
     def discard(self, request_ids: Seq[str]) -> None:
-        """Drop requests at once, silently (no output), freeing their blocks. Engine thread only."""
+        """Drop requests at once, silently (no output), freeing their blocks."""
         for rid in request_ids:
             req = self.requests.pop(rid, None)
             if req is None:
@@ -221,16 +185,12 @@ class LLMEngine:
                 if not seq.finished:
                     self.scheduler.finish(seq, SeqStatus.FINISHED_ABORTED)
             self._accepted.discard(rid)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._accepted) or not self._inbox.empty()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self._accepted)
-
-    # --- the step ----------------------------------------------------------------------------
+        self._snapshot = self._snapshots(len(self._accepted))
 
     def step(self) -> list[RequestOutput]:
+        """Apply queued commands and deadlines, then schedule -> execute -> update; returns the outputs of
+        every request that changed (new tokens, finished). Raises `StepFailed` when the forward raised."""
+        started = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
         self._apply_commands(outputs)
         self._expire_deadlines(outputs)
@@ -238,24 +198,15 @@ class LLMEngine:
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
             self._fail_unschedulable(outputs)
-            return list(outputs.values())
-        rows, forks = self._sample_rows(sched)
-        try:
-            result = self.runner.execute(sched, rows, self.kv)
-        except Exception as e:
-            ids = list(dict.fromkeys(s.seq.request.request_id for s in sched.scheduled))
-            raise StepFailed(ids, list(outputs.values()), e) from e
-        self._advance(sched)
-        for child, parent in forks:
-            child.num_computed_tokens = parent.num_computed_tokens
-            self.kv.fork(parent.seq_id, child.seq_id)
-            self.scheduler.add_running(child)
-        if result is not None:
-            self._append_tokens(rows, result, outputs)
-        self.stats.steps += 1
-        self.stats.last_step_tokens = sched.num_batched_tokens
-        self.stats.last_step_seqs = len(sched.scheduled)
+        else:
+            rows, forks = self._sample_rows(sched)
+            result = self._execute(sched, rows, outputs)
+            self._update(sched, rows, forks, result, outputs)
+            self._count_step(sched, time.perf_counter() - started)
+        self._snapshot = self._snapshots(len(self._accepted))
         return list(outputs.values())
+
+    # --- schedule: commands, deadlines, forks --------------------------------------------------
 
     def _apply_commands(self, outputs: dict[str, RequestOutput]) -> None:
         while True:
@@ -284,33 +235,25 @@ class LLMEngine:
 
     def _admit_resumed(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
         """One sequence per sample, each holding the tokens already delivered (no fork: prefix caching
-        shares what the samples have in common). The detokenizer replays them, so its held-back text
-        and stop-string state are what the first worker had; a sample that had already stopped ends here."""
-        p = req.sampling_params
+        shares what the samples have in common); a sample that had already stopped ends here."""
         req.forked = True
         req.seqs = []
         for k, delivered in enumerate(req.resume or []):
             seq = Sequence(f"{req.request_id}#{k}", req, list(req.prompt_token_ids), index=k)
             req.seqs.append(seq)
-            self._equip(seq, None if p.seed is None else (p.seed + k) % 2**64)
-            status = None
-            for token in delivered:
-                seq.token_ids.append(token)
-                status = self._stop_status(seq, token)
-            seq.pending_text = ""  # already delivered
-            seq.num_emitted = seq.logprob_offset = seq.num_output_tokens
+            self._equip(seq, _sample_seed(req.sampling_params.seed, k))
+            status = self.output_processor.replay(seq, delivered)
             if status is None:
                 self.scheduler.add(seq)
             else:
                 seq.status = status
-                seq.pending_text = seq.detokenizer.flush()
+                self.output_processor.flush(seq)
         if req.finished:
             self._emit(req, outputs)
             self._retire(req)
 
     def _equip(self, seq: Sequence, seed: int | None) -> None:
-        p = seq.request.sampling_params
-        seq.detokenizer = IncrementalDetokenizer.from_sampling_params(self.tokenizer, seq.request.prompt_token_ids, p)
+        self.output_processor.attach_detokenizer(seq)
         if seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
 
@@ -332,7 +275,8 @@ class LLMEngine:
             self._finish_request(req, SeqStatus.FINISHED_DEADLINE, outputs)
 
     def _sample_rows(self, sched: SchedulerOutput) -> tuple[list[SampleRow], list[tuple[Sequence, Sequence]]]:
-        """Rows to sample this step; a request finishing its prompt with n > 1 forks its samples here."""
+        """Rows to sample this step; a request finishing its prompt with n > 1 forks its samples here
+        (children share the parent's logits now, and its blocks once the step ran)."""
         rows: list[SampleRow] = []
         forks: list[tuple[Sequence, Sequence]] = []
         for i, s in enumerate(sched.scheduled):
@@ -342,76 +286,71 @@ class LLMEngine:
             req = s.seq.request
             if not req.forked:
                 req.forked = True
-                seed = req.sampling_params.seed
                 for k in range(1, req.sampling_params.n):
                     child = Sequence(f"{req.request_id}#{k}", req, list(s.seq.token_ids), index=k)
-                    self._equip(child, None if seed is None else (seed + k) % 2**64)
+                    self._equip(child, _sample_seed(req.sampling_params.seed, k))
                     req.seqs.append(child)
                     rows.append(SampleRow(i, child))
                     forks.append((child, s.seq))
         return rows, forks
 
-    def _advance(self, sched: SchedulerOutput) -> None:
-        """The scheduled tokens are now in the cache: count them and name full blocks for reuse."""
+    # --- execute -----------------------------------------------------------------------------
+
+    def _execute(
+        self, sched: SchedulerOutput, rows: list[SampleRow], outputs: dict[str, RequestOutput]
+    ) -> SamplerOutput | None:
+        try:
+            return self.runner.execute(sched, rows)
+        except Exception as e:
+            ids = list(dict.fromkeys(s.seq.request.request_id for s in sched.scheduled))
+            self._snapshot = self._snapshots(len(self._accepted))
+            raise StepFailed(ids, list(outputs.values()), e) from e
+
+    # --- update ------------------------------------------------------------------------------
+
+    def _update(
+        self,
+        sched: SchedulerOutput,
+        rows: list[SampleRow],
+        forks: list[tuple[Sequence, Sequence]],
+        result: SamplerOutput | None,
+        outputs: dict[str, RequestOutput],
+    ) -> None:
+        """The scheduled tokens are in the cache: count them, name full blocks for reuse, seat the forked
+        samples, then append the sampled tokens and hand out what changed."""
         for s in sched.scheduled:
             seq = s.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += s.num_new_tokens
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
-
-    def _append_tokens(self, rows: list[SampleRow], result, outputs: dict[str, RequestOutput]) -> None:
-        now = time.time()
-        tokens = result.token_ids.tolist()
-        want_logprobs = result.logprobs is not None
-        if want_logprobs:
-            lp = result.logprobs.tolist()
-            top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-            top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        for r, (row, token) in enumerate(zip(rows, tokens, strict=True)):
-            seq = row.seq
-            req = seq.request
-            p = req.sampling_params
-            seq.token_ids.append(token)
-            m = req.metrics
-            if m.first_token is None:
-                m.first_token = now
-            elif seq.index == 0 and m.last_token is not None:
-                m.inter_token_latencies.append(now - m.last_token)
-            if seq.index == 0:
-                m.last_token = now
-            self.stats.generation_tokens += 1
-            if want_logprobs and p.logprobs is not None:
-                seq.logprobs.append(lp[r])
-                k = p.logprobs
-                seq.top_logprobs.append(list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else [])
-            status = self._stop_status(seq, token)
+        for child, parent in forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.kv.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+        if result is None:
+            return
+        seqs = [r.seq for r in rows]
+        statuses = self.output_processor.append_sampled(seqs, result, time.time())
+        self.stats.generation_tokens += len(seqs)
+        touched: dict[str, Request] = {}
+        for seq, status in zip(seqs, statuses, strict=True):
             if status is not None:
                 self.scheduler.finish(seq, status)
-                seq.pending_text += seq.detokenizer.flush()
+                self.output_processor.flush(seq)
+            touched[seq.request.request_id] = seq.request
+        for req in touched.values():
             self._emit(req, outputs)
             if req.finished:
                 self._retire(req)
 
-    def _stop_status(self, seq: Sequence, token: int) -> SeqStatus | None:
-        """Feed the new token to the detokenizer (unless it is the stop token) and apply vLLM's stops."""
-        p = seq.request.sampling_params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return SeqStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return SeqStatus.FINISHED_STOPPED
-        seq.pending_text += seq.detokenizer.update(token)
-        if seq.detokenizer.stopped:
-            seq.stop_reason = seq.detokenizer.stop_reason
-            return SeqStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return SeqStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return SeqStatus.FINISHED_LENGTH
-        return None
+    def _count_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        st = self.stats
+        st.steps += 1
+        st.last_step_tokens = sched.num_batched_tokens
+        st.last_step_seqs = len(sched.scheduled)
+        st.last_step_seconds = seconds
+        st.last_progress = time.monotonic()
 
     # --- requests out ------------------------------------------------------------------------
 
@@ -419,8 +358,7 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, status)
-                if seq.detokenizer:
-                    seq.pending_text += seq.detokenizer.flush()
+                self.output_processor.flush(seq)
         self._emit(req, outputs)
         self._retire(req)
 
@@ -433,37 +371,9 @@ class LLMEngine:
         self._accepted.discard(req.request_id)
 
     def _emit(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
-        """(Re)build the request's output for this step, with what each sample added since last time."""
-        prev = outputs.get(req.request_id)
-        want_lp = req.sampling_params.logprobs is not None
-        completions = []
-        for seq in req.seqs:
-            start = seq.num_emitted
-            new_ids = seq.output_token_ids[start:]
-            seq.num_emitted = seq.num_output_tokens
-            delta, seq.pending_text = seq.pending_text, ""
-            old = prev.outputs[seq.index] if prev and seq.index < len(prev.outputs) else None
-            out = CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.output_text if seq.detokenizer else "",
-                token_ids=list(seq.output_token_ids),
-                finish_reason=seq.status.finish_reason,
-                stop_reason=seq.stop_reason,
-                delta_token_ids=(old.delta_token_ids if old else []) + new_ids,
-                delta_text=(old.delta_text if old else "") + delta,
-            )
-            if want_lp:  # tokens a previous worker delivered (resume) have none
-                lp_start = max(start - seq.logprob_offset, 0)
-                out.logprobs, out.top_logprobs = list(seq.logprobs), list(seq.top_logprobs)
-                out.delta_logprobs = (old.delta_logprobs if old else []) + seq.logprobs[lp_start:]
-                out.delta_top_logprobs = (old.delta_top_logprobs if old else []) + seq.top_logprobs[lp_start:]
-            completions.append(out)
-        outputs[req.request_id] = RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=req.finished,
-            metrics=req.metrics,
-            error=req.error,
-        )
+        outputs[req.request_id] = self.output_processor.make_output(req, outputs.get(req.request_id))
+
+
+def _sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index` of a seeded request draws from its own generator (kept in 64 bits)."""
+    return None if seed is None else (seed + index) % 2**64

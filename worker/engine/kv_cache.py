@@ -259,13 +259,17 @@ class KVCacheManager:
 
     # --- stats -------------------------------------------------------------------------------
 
-    def stats(self) -> KVCacheStats:
+    def waste(self) -> float:
+        """Allocated slots holding no live token, over allocated slots (walks every block table)."""
         fill: dict[int, int] = {}
         for seq in self._seqs.values():
             for i, bid in enumerate(seq.table):
                 held = min(self.block_size, max(seq.num_tokens - i * self.block_size, 0))
                 fill[bid] = max(fill.get(bid, 0), held)
         allocated = len(fill) * self.block_size
+        return 1.0 - sum(fill.values()) / allocated if allocated else 0.0
+
+    def stats(self) -> KVCacheStats:
         used = self.num_blocks - len(self._free)
         cached = sum(1 for b in self._free if self.blocks[b].block_hash is not None)
         return KVCacheStats(
@@ -276,5 +280,5 @@ class KVCacheManager:
             usage=used / self.num_blocks,
             prefix_queries_tokens=self.prefix_queries_tokens,
             prefix_hits_tokens=self.prefix_hits_tokens,
-            waste=1.0 - sum(fill.values()) / allocated if allocated else 0.0,
+            waste=self.waste(),
         )

@@ -71,7 +71,7 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
-                            bar.set_postfix(gen_tok=self.engine.stats.generation_tokens, refresh=False)
+                            bar.set_postfix(gen_tok=self.engine.snapshot().generation_tokens, refresh=False)
         finally:
             if bar is not None:
                 bar.close()

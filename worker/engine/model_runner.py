@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata, copy_blocks
-from worker.engine.kv_cache import KVCacheManager, blocks_for_bytes
+from worker.engine.kv_cache import blocks_for_bytes
 from worker.engine.request import Sequence
 from worker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, min_tokens_suppression
 from worker.engine.scheduler import SchedulerOutput
@@ -43,6 +43,7 @@ class ModelRunner:
         self,
         loaded: LoadedModel,
         *,
+        eos_token_ids: frozenset[int],
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
@@ -67,7 +68,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.sampler = Sampler()
-        self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine (min_tokens masks them)
+        self.eos_token_ids = eos_token_ids  # masked for rows still under min_tokens
 
     # --- sizing ------------------------------------------------------------------------------
 
@@ -143,11 +144,11 @@ class ModelRunner:
     # --- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, rows: list[SampleRow], kv: KVCacheManager) -> SamplerOutput | None:
+    def execute(self, sched: SchedulerOutput, rows: list[SampleRow]) -> SamplerOutput | None:
         if sched.block_copies:
             pairs = torch.tensor(sched.block_copies, dtype=torch.long, device=self.device)
             copy_blocks([c for layer in self.kv_caches for c in layer], pairs)
-        ids, positions, meta, last_rows = self._prepare(sched, kv)
+        ids, positions, meta, last_rows = self._prepare(sched)
         if _POISON_TOKEN is not None and bool((ids == int(_POISON_TOKEN)).any()):
             raise RuntimeError(f"fault injection: poison token {_POISON_TOKEN} in the batch")
         hidden = self.model(ids, positions, self.kv_caches, meta)
@@ -174,7 +175,7 @@ class ModelRunner:
         suppress = min_tokens_suppression(sampling_rows, self.eos_token_ids)
         return SamplingBatch.build(sampling_rows, device=self.device, suppress=suppress or None)
 
-    def _prepare(self, sched: SchedulerOutput, kv: KVCacheManager):
+    def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size
         starts, qlens, tables, ids = [], [], [], []
         for s in sched.scheduled:
@@ -182,7 +183,7 @@ class ModelRunner:
             starts.append(start)
             qlens.append(s.num_new_tokens)
             ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
-            tables.append(kv.block_table(s.seq.seq_id))
+            tables.append(s.block_table)
         starts_np = np.asarray(starts, dtype=np.int64)
         qlens_np = np.asarray(qlens, dtype=np.int64)
         seq_lens_np = starts_np + qlens_np

@@ -5,7 +5,8 @@ samples; each sample is a `Sequence`, the unit the scheduler and the KV cache wo
 with n > 1 starts as one sequence; when its prompt is computed it forks into n sequences that share
 the prompt's blocks (prefilled once).
 
-Lifecycle of a sequence: WAITING -> RUNNING -> (PREEMPTED -> WAITING ...) -> FINISHED_*.
+Lifecycle of a sequence: WAITING -> RUNNING -> FINISHED_*. A sequence preempted by recompute goes back
+to WAITING (with nothing computed) and runs again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -108,11 +108,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        """More than one token still to compute (the prompt, or all tokens after a preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
-    @property
     def finished(self) -> bool:
         return self.status.finished
 
@@ -132,6 +127,8 @@ class Request:
         arrival_time: float | None = None,
         deadline: float | None = None,
         cache_salt: str | None = None,
+        resume: list[list[int]] | None = None,
+        isolated: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
@@ -147,8 +144,8 @@ class Request:
         self.seqs: list[Sequence] = [Sequence(f"{request_id}#0", self, list(prompt_token_ids))]
         self.forked = sampling_params.n == 1
         self.error: str | None = None  # why the engine gave up on it, when it did
-        self.resume: list[list[int]] | None = None  # per sample, tokens a previous worker delivered
-        self.isolated = False  # scheduled in steps of its own (suspected of failing a step)
+        self.resume = resume  # per sample, tokens a previous worker delivered
+        self.isolated = isolated  # scheduled in steps of its own (suspected of failing a step)
 
     @property
     def finished(self) -> bool:

@@ -212,7 +212,6 @@ class SamplerOutput:
 
     token_ids: Tensor  # [B] int64
     logprobs: Tensor | None = None  # [B] float32, of the sampled token
-    ranks: Tensor | None = None  # [B] int64, 1 = the most likely token
     top_token_ids: Tensor | None = None  # [B, K] int64, K = the largest k asked
     top_logprobs: Tensor | None = None  # [B, K] float32, descending
 
@@ -330,6 +329,5 @@ class Sampler:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.gather(1, out.token_ids[:, None])
         out.logprobs = chosen.squeeze(1)
-        out.ranks = (logprobs > chosen).sum(dim=-1) + 1
         k = min(k, logprobs.shape[1])
         out.top_logprobs, out.top_token_ids = logprobs.topk(k, dim=-1)

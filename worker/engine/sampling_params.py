@@ -1,10 +1,35 @@
-"""Sampling parameters of one request, with vLLM's names and defaults."""
+"""Sampling parameters of one request, with vLLM's names and offline defaults (max_tokens=16).
+
+The fields are exactly those of the wire struct `producer_sdk.protocol.SamplingParams`, which the
+service turns into these with `SamplingParams.from_wire`, and both are checked by the one rule set
+`producer_sdk.protocol.sampling_problems`, here with limits that only bound what the engine can run
+(the service's own limits are stricter; `max_logprobs` is the engine config's, checked at admission).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from producer_sdk.protocol import Limits, sampling_problems
+
+if TYPE_CHECKING:
+    from producer_sdk import protocol
 
 _GREEDY_EPS = 1e-5
+_UNBOUNDED = 10**9  # beyond anything a model can run, and still readable in an error message
+
+# Token ids keep the wire's bound (int32); max_logprobs is the engine config's, checked at add_request.
+ENGINE_LIMITS = Limits(
+    max_n=_UNBOUNDED,
+    max_tokens=_UNBOUNDED,
+    max_stop=_UNBOUNDED,
+    max_stop_chars=_UNBOUNDED,
+    max_stop_token_ids=_UNBOUNDED,
+    max_logprobs=_UNBOUNDED,
+)
 
 
 class SamplingParamsError(ValueError):
@@ -36,38 +61,15 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        if self.top_k < 0:
+        for name, why in sampling_problems(self, ENGINE_LIMITS):
+            raise SamplingParamsError(f"{name}={getattr(self, name)!r}: {why}")
+        if self.top_k == -1:
             self.top_k = 0
-        self._check()
 
-    def _check(self) -> None:
-        def bad(name: str, why: str) -> SamplingParamsError:
-            return SamplingParamsError(f"{name}={getattr(self, name)!r}: {why}")
-
-        if self.n < 1:
-            raise bad("n", "must be at least 1")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "must be at least 1")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise bad("min_tokens", "must be in [0, max_tokens]")
-        if not self.temperature >= 0.0:
-            raise bad("temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "must be > 0")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "must be >= 0")
-        if any(not s for s in self.stop):
-            raise bad("stop", "stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "token ids are non-negative")
+    @classmethod
+    def from_wire(cls, wire: protocol.SamplingParams) -> SamplingParams:
+        """The engine's parameters for a request's wire `sampling` struct, field for field."""
+        return cls(**msgspec.structs.asdict(wire))
 
     @property
     def greedy(self) -> bool:

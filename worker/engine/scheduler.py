@@ -24,8 +24,12 @@ from worker.engine.request import SeqStatus, Sequence
 
 @dataclass
 class ScheduledSeq:
+    """`num_new_tokens` of `seq` go through this step's forward, from `seq.num_computed_tokens` on;
+    `block_table` is the sequence's KV block table for the step (vLLM: `NewRequestData.block_ids`)."""
+
     seq: Sequence
     num_new_tokens: int
+    block_table: list[int]
 
     @property
     def samples(self) -> bool:
@@ -37,7 +41,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
     num_decodes: int = 0
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -101,9 +105,6 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self._heap) if self.policy == "priority" else len(self._fifo)
 
-    def __iter__(self):
-        return (item[2] for item in self._heap) if self.policy == "priority" else iter(self._fifo)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -111,7 +112,6 @@ class Scheduler:
         self.kv = kv
         self.waiting = WaitQueue(config.policy)
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
 
     # --- membership --------------------------------------------------------------------------
 
@@ -132,9 +132,6 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         self.kv.free(seq.seq_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -188,21 +185,25 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n))
+                self._schedule(out, seq, n)
                 budget -= n
                 i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
         deferred: list[Sequence] = []  # long prompts waiting for their turn; shorter ones may pass
         partials = sum(self._partial(s.seq, s.num_new_tokens) for s in out.scheduled)
+        # A request with n samples holds n seats from admission on, though it forks only once its prompt is in.
+        seats_taken = len(self.running) + sum(
+            s.request.sampling_params.n - 1 for s in self.running if not s.request.forked
+        )
         while len(self.waiting) and budget > 0:
             seq = self.waiting.peek()
             if seq.request.isolated and (self.running or out.scheduled):
                 break
             seats = seq.request.sampling_params.n if not seq.request.forked else 1
-            if len(self.running) + seats > cfg.max_num_seqs:
+            if seats_taken + seats > cfg.max_num_seqs:
                 break
             salt = seq.request.cache_salt
             hits = self.kv.match_prefix(seq.token_ids, salt)
@@ -212,7 +213,7 @@ class Scheduler:
                 break
             seq.num_computed_tokens = num_cached
             n = self._chunk(seq, budget)
-            partial = cfg.enable_chunked_prefill and self._partial(seq, n)
+            partial = self._partial(seq, n)  # never without chunked prefill: the whole rest fits
             if partial and partials >= cfg.max_num_partial_prefills:
                 seq.num_computed_tokens = 0
                 deferred.append(self.waiting.pop())
@@ -228,14 +229,17 @@ class Scheduler:
             self.kv.record_prefix_query(seq.num_tokens, num_cached)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            self._schedule(out, seq, n)
+            seats_taken += seats
             budget -= n
             partials += partial
             if seq.request.isolated:
                 break
         for seq in reversed(deferred):  # back at the front, in their order
             self.waiting.push_front(seq)
-        return budget
+
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.scheduled.append(ScheduledSeq(seq, n, list(self.kv.block_table(seq.seq_id))))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -243,6 +247,5 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.request.metrics.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.push_front(seq)
         out.preempted.append(seq)

@@ -1,0 +1,356 @@
+"""The scheduler alone: a real `KVCacheManager`, no model. Each test drives `schedule()` and plays the
+engine's part after each step (tokens computed, full blocks named, a token sampled where the chunk
+reached the end), then checks what was scheduled, in which order, with which blocks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from worker.engine.config import ConfigError, SchedulerConfig
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.request import Request, SeqStatus, Sequence
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+
+BS = 4  # tokens per block: small, so a few tokens cross block boundaries
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 256,
+    max_num_seqs: int = 16,
+    budget: int = 64,
+    max_model_len: int = 512,
+    chunked: bool = True,
+    policy: str = "fcfs",
+    threshold: int = 0,
+    partials: int = 1,
+    prefix_caching: bool = True,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix_caching, watermark=0.0)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+        long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=partials,
+    )
+    return Scheduler(config, kv)
+
+
+_arrival = iter(range(1, 1_000_000))  # also makes every request's tokens its own (no accidental prefix hits)
+
+
+def add(
+    sched: Scheduler, rid: str, prompt: int | list[int], *, priority: int = 0, n: int = 1, isolated: bool = False
+) -> Sequence:
+    """Queue a request (arrivals strictly increase in call order); returns its first sequence."""
+    arrival = next(_arrival)
+    ids = prompt if isinstance(prompt, list) else [arrival * 1000 + i for i in range(prompt)]
+    req = Request(rid, ids, SamplingParams(n=n), priority=priority, arrival_time=float(arrival), isolated=isolated)
+    sched.add(req.seqs[0])
+    return req.seqs[0]
+
+
+def complete(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    """What the engine does once the forward ran: count the tokens in, name full blocks, sample."""
+    for s in out.scheduled:
+        seq = s.seq
+        samples = s.samples
+        seq.num_computed_tokens += s.num_new_tokens
+        sched.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if samples:
+            seq.token_ids.append(token)
+
+
+def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = sched.schedule()
+    complete(sched, out, token)
+    return out
+
+
+def shape(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+# --- the token budget --------------------------------------------------------------------------
+
+
+def test_one_step_never_exceeds_the_token_budget():
+    sched = make_scheduler(budget=64)
+    for rid in "abc":
+        add(sched, rid, 30)
+    out = sched.schedule()
+    # a and b fit whole; c gets the 4 tokens left (a partial prefill, the one allowed)
+    assert shape(out) == [("a", 30), ("b", 30), ("c", 4)]
+    assert out.num_batched_tokens == 64
+    assert len(sched.waiting) == 0 and len(sched.running) == 3
+
+
+def test_decodes_go_first_and_prompts_get_what_the_budget_leaves():
+    sched = make_scheduler(budget=16)
+    add(sched, "a", 5)
+    add(sched, "b", 6)
+    step(sched)  # both prompts computed, one token sampled each
+    add(sched, "c", 30)
+    out = sched.schedule()
+    assert shape(out) == [("a", 1), ("b", 1), ("c", 14)]
+    assert out.num_decodes == 2
+    assert [s.samples for s in out.scheduled] == [True, True, False]  # c's chunk stops short of its end
+
+
+def test_decodes_are_first_in_the_batch():
+    sched = make_scheduler(budget=64)
+    add(sched, "a", 5)
+    step(sched)
+    add(sched, "b", 9)
+    out = sched.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [1, 9] and out.num_decodes == 1
+
+
+# --- chunked prefill ---------------------------------------------------------------------------
+
+
+def test_long_prefill_token_threshold_caps_each_chunk():
+    sched = make_scheduler(budget=64, threshold=16)
+    seq = add(sched, "long", 50)
+    chunks = []
+    while not seq.num_output_tokens:
+        chunks.append(step(sched).scheduled[0].num_new_tokens)
+    assert chunks == [16, 16, 16, 2]
+    assert seq.num_computed_tokens == 50 and seq.num_tokens == 51
+
+
+def test_chunks_of_a_long_prompt_leave_room_for_decodes():
+    sched = make_scheduler(budget=8)
+    add(sched, "a", 3)
+    step(sched)
+    add(sched, "long", 40)
+    for _ in range(3):
+        out = step(sched)
+        assert shape(out) == [("a", 1), ("long", 7)]
+
+
+@pytest.mark.parametrize("partials", [1, 2])
+def test_max_num_partial_prefills_limits_prompts_part_way_through(partials):
+    sched = make_scheduler(budget=64, threshold=16, partials=partials)
+    long1 = add(sched, "long1", 100)
+    add(sched, "long2", 100)
+    add(sched, "short", 8)
+    out = step(sched)
+    if partials == 1:
+        # long2 waits its turn (still first in the queue); the short prompt is not a partial and passes
+        assert shape(out) == [("long1", 16), ("short", 8)]
+        assert sched.waiting.peek().request.request_id == "long2"
+    else:
+        assert shape(out) == [("long1", 16), ("long2", 16), ("short", 8)]
+    if partials == 1:
+        while long1.num_computed_tokens + 16 < long1.num_tokens:
+            out = step(sched)
+            assert "long2" not in dict(shape(out))
+        out = step(sched)  # long1's last chunk is not partial: long2 may start in the same step
+        assert shape(out) == [("short", 1), ("long1", 4), ("long2", 16)]
+
+
+def test_without_chunked_prefill_steps_are_prefill_only_or_decode_only():
+    sched = make_scheduler(chunked=False, budget=512, max_model_len=512, num_blocks=1024)
+    add(sched, "a", 5)
+    assert shape(step(sched)) == [("a", 5)]
+    add(sched, "b", 300)
+    assert shape(step(sched)) == [("b", 300)]  # a prompt waits for no decode and takes the whole step
+    assert shape(step(sched)) == [("a", 1), ("b", 1)]
+    add(sched, "c", 200)
+    add(sched, "d", 400)  # c fits, d does not fit the budget c left: it is never chunked, it waits a step
+    assert shape(step(sched)) == [("c", 200)]
+    assert shape(step(sched)) == [("d", 400)]
+    assert shape(step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt():
+    with pytest.raises(ConfigError, match="max-num-batched-tokens"):
+        make_scheduler(chunked=False, budget=64, max_model_len=512)
+
+
+# --- order ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("policy", "order"), [("fcfs", ["low", "mid", "high"]), ("priority", ["high", "mid", "low"])])
+def test_policy_orders_the_waiting_queue(policy, order):
+    sched = make_scheduler(policy=policy, max_num_seqs=1)
+    seqs = {rid: add(sched, rid, 5, priority=p) for rid, p in [("low", -5), ("mid", 0), ("high", 7)]}
+    started = []
+    while len(started) < 3:
+        out = step(sched)
+        for s in out.scheduled:
+            if s.seq.num_output_tokens == 1:  # its prompt just completed
+                started.append(s.seq.request.request_id)
+                sched.finish(s.seq, SeqStatus.FINISHED_LENGTH)
+    assert started == order
+    assert all(s.finished for s in seqs.values())
+
+
+def test_priority_ties_go_by_arrival():
+    sched = make_scheduler(policy="priority", max_num_seqs=1)
+    for rid in ("first", "second"):
+        add(sched, rid, 5, priority=3)
+    assert shape(sched.schedule()) == [("first", 5)]
+
+
+# --- admission limits ---------------------------------------------------------------------------
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(5):
+        add(sched, f"r{i}", 5)
+    assert shape(step(sched)) == [("r0", 5), ("r1", 5)]
+    assert len(sched.running) == 2 and len(sched.waiting) == 3
+    assert shape(step(sched)) == [("r0", 1), ("r1", 1)]
+    sched.finish(sched.running[0], SeqStatus.FINISHED_STOPPED)
+    assert shape(sched.schedule()) == [("r1", 1), ("r2", 5)]
+
+
+def test_a_request_with_n_samples_needs_n_seats():
+    sched = make_scheduler(max_num_seqs=4)
+    add(sched, "one", 5)
+    step(sched)
+    add(sched, "three", 5, n=3)  # 1 + 3 = 4 seats: fits
+    add(sched, "next", 5)  # a fifth would not
+    assert shape(sched.schedule()) == [("one", 1), ("three", 5)]
+    assert sched.waiting.peek().request.request_id == "next"
+
+
+def test_an_isolated_request_runs_in_steps_of_its_own():
+    sched = make_scheduler()
+    add(sched, "a", 5)
+    step(sched)
+    add(sched, "suspect", 5, isolated=True)
+    add(sched, "b", 5)
+    assert shape(step(sched)) == [("a", 1)]  # the suspect does not join a batch with others
+    sched.finish(sched.running[0], SeqStatus.FINISHED_STOPPED)
+    assert shape(step(sched)) == [("suspect", 5)]  # alone, and b waits behind it
+    assert shape(step(sched)) == [("suspect", 1)]
+
+
+# --- preemption ---------------------------------------------------------------------------------
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    sched = make_scheduler(num_blocks=4, prefix_caching=False)
+    a = add(sched, "a", 7)
+    b = add(sched, "b", 7)
+    step(sched)  # 2 blocks each: the pool is full
+    step(sched)  # the 8th token of each still fits its second block
+    assert sched.kv.num_free_blocks == 0
+    out = step(sched)  # a's 9th token needs a third block: b (the latest) gives its blocks back
+    assert shape(out) == [("a", 1)]
+    assert out.preempted == [b]
+    assert b.status == SeqStatus.WAITING and b.num_computed_tokens == 0
+    assert not sched.kv.has_seq(b.seq_id) and b.request.metrics.num_preemptions == 1
+    assert sched.waiting.peek() is b
+    sched.finish(a, SeqStatus.FINISHED_LENGTH)
+    out = sched.schedule()
+    assert shape(out) == [("b", 9)]  # prompt and generated tokens computed again, all at once
+    assert not out.preempted
+
+
+def test_preemption_takes_the_lowest_priority_first():
+    sched = make_scheduler(num_blocks=4, prefix_caching=False, policy="priority")
+    low = add(sched, "low", 7, priority=-1)  # arrives first, but matters least
+    add(sched, "high", 7, priority=1)
+    step(sched)
+    step(sched)
+    out = step(sched)
+    assert out.preempted == [low] and shape(out) == [("high", 1)]
+
+
+def test_a_sequence_that_cannot_grow_preempts_itself_last():
+    sched = make_scheduler(num_blocks=2, prefix_caching=False)
+    a = add(sched, "a", 8)  # exactly two blocks
+    step(sched)
+    out = sched.schedule()  # its 9th token has no block anywhere: it is preempted, nothing runs
+    assert out.is_empty and out.preempted == [a]
+    assert sched.kv.num_free_blocks == 2
+
+
+# --- the prefix cache ------------------------------------------------------------------------------
+
+
+def test_a_cached_prefix_is_not_computed_again():
+    sched = make_scheduler()
+    a = add(sched, "a", 18)
+    step(sched)
+    a_table = list(sched.kv.block_table(a.seq_id))
+    sched.finish(a, SeqStatus.FINISHED_STOPPED)
+    b = add(sched, "b", [*a.token_ids[:16], 901, 902])
+    out = sched.schedule()
+    assert shape(out) == [("b", 2)]  # 4 full blocks (16 tokens) hit
+    assert b.num_computed_tokens == 16 and b.request.metrics.num_cached_tokens == 16
+    assert out.scheduled[0].block_table[:4] == a_table[:4]
+    assert sched.kv.prefix_queries_tokens == 18 + 18 and sched.kv.prefix_hits_tokens == 16
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    sched = make_scheduler()
+    a = add(sched, "a", 16)
+    step(sched)
+    sched.finish(a, SeqStatus.FINISHED_STOPPED)
+    add(sched, "b", a.token_ids[:16])
+    # the last block holds the token whose logits are sampled: it cannot be a hit
+    assert shape(sched.schedule()) == [("b", 4)]
+
+
+def test_no_hits_with_prefix_caching_off():
+    sched = make_scheduler(prefix_caching=False)
+    a = add(sched, "a", 18)
+    step(sched)
+    sched.finish(a, SeqStatus.FINISHED_STOPPED)
+    add(sched, "b", a.token_ids[:18])
+    assert shape(sched.schedule()) == [("b", 18)]
+    assert sched.kv.prefix_hits_tokens == 0
+
+
+# --- what the model runner gets ------------------------------------------------------------------
+
+
+def test_the_output_carries_each_sequence_block_table():
+    sched = make_scheduler(budget=64, threshold=8)
+    add(sched, "a", 5)
+    add(sched, "b", 13)
+    tables: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for _ in range(4):
+        out = sched.schedule()
+        for s in out.scheduled:
+            table = s.block_table
+            assert table == sched.kv.block_table(s.seq.seq_id)
+            assert table is not sched.kv.block_table(s.seq.seq_id)  # a copy: the pool may change later
+            assert len(table) == -(-(s.seq.num_computed_tokens + s.num_new_tokens) // BS)
+            tables[s.seq.request.request_id].append(table)
+        complete(sched, out)
+    for seen in tables.values():  # a table only grows at its end
+        assert all(later[: len(earlier)] == earlier for earlier, later in itertools.pairwise(seen))
+    assert [len(t) for t in tables["b"]] == [2, 4, 4, 4]  # a chunk of 8, then the rest and two decodes
+    assert not set(tables["a"][-1]) & set(tables["b"][-1])
+
+
+def test_a_shared_partial_block_is_copied_before_a_write():
+    sched = make_scheduler(prefix_caching=False)
+    parent = add(sched, "p", 6, n=2)
+    step(sched)  # prefill: 6 tokens, block 2 half full
+    child = Sequence("p#1", parent.request, [*parent.token_ids[:-1], 8], index=1)  # as the engine forks
+    child.num_computed_tokens = parent.num_computed_tokens
+    parent.request.forked = True
+    parent.request.seqs.append(child)
+    sched.kv.fork(parent.seq_id, child.seq_id)
+    sched.add_running(child)
+    out = sched.schedule()
+    assert shape(out) == [("p", 1), ("p", 1)]
+    (src, dst), *more = out.block_copies
+    assert not more  # the first writer copies; the other then owns the original alone
+    tables = [s.block_table for s in out.scheduled]
+    assert tables[0][0] == tables[1][0]  # the full block stays shared
+    assert {tables[0][1], tables[1][1]} == {src, dst}

@@ -1,0 +1,109 @@
+"""Input processing: from what a caller submits to a validated `Request` the engine can schedule.
+
+Tokenizes a prompt or renders a chat with the model's chat template, checks the prompt against the
+vocabulary and `max_model_len`, and the request-level limits the sampling parameters cannot know
+(`max_logprobs`, resumed samples). Runs on the caller's thread: it reads no engine state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from worker.engine.errors import PromptTooLong, RequestError
+from worker.engine.request import Request
+from worker.engine.sampling_params import SamplingParams
+
+
+def find_eos_token_ids(tokenizer_path: str, model_config: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end generation: generation_config.json's `eos_token_id` (transformers reads it there
+    first, and chat models often list several), else the model config's, else the tokenizer's."""
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        folder = Path(tokenizer_path)
+        if (folder / "generation_config.json").exists():
+            ids += _as_list(GenerationConfig.from_pretrained(folder).eos_token_id)
+    except (OSError, ValueError):
+        pass
+    if not ids:
+        ids += _as_list(getattr(model_config, "eos_token_id", None) or tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _as_list(eos: int | list[int] | None) -> list[int]:
+    return eos if isinstance(eos, list) else [] if eos is None else [eos]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_logprobs: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+
+    def encode_prompt(
+        self, prompt: str | None = None, messages: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a text prompt, or of a chat rendered with the model's chat template."""
+        if messages is None:
+            if prompt is None:
+                raise RequestError("no prompt: pass a prompt, prompt_token_ids or messages")
+            return self.tokenizer(prompt).input_ids
+        if not self.tokenizer.chat_template:
+            raise RequestError("this model has no chat template: send a prompt instead of messages")
+        # transformers renders templates in jinja2's immutable sandbox: a template cannot reach Python
+        # internals, and message contents are data, never template code. Whatever the template raises
+        # (its own raise_exception on bad roles, a sandbox violation) is this request's error.
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as e:
+            raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from e
+        return self.tokenizer(rendered, add_special_tokens=False).input_ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        resume: Sequence[Sequence[int]] | None = None,
+        **request_options: Any,
+    ) -> Request:
+        """A `Request` ready to queue, or `RequestError`. `request_options` go to `Request` as they are."""
+        if prompt is not None and not isinstance(prompt, str):
+            prompt_token_ids, prompt = list(prompt), None
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode_prompt(prompt, messages, add_generation_prompt)
+        ids = list(prompt_token_ids)
+        self._check_prompt(request_id, ids)
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise RequestError(f"request {request_id}: logprobs={params.logprobs} > max_logprobs")
+        if resume is not None and len(resume) != params.n:
+            raise RequestError(f"request {request_id}: resume holds {len(resume)} samples, n={params.n}")
+        return Request(
+            request_id,
+            ids,
+            params,
+            prompt=prompt,
+            resume=[list(r) for r in resume] if resume is not None else None,
+            **request_options,
+        )
+
+    def _check_prompt(self, request_id: str, ids: list[int]) -> None:
+        if not ids:
+            raise RequestError(f"request {request_id}: the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise RequestError(f"request {request_id}: prompt token ids must be in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLong(
+                f"request {request_id}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
+                "(prompt + at least one generated token must fit)"
+            )

@@ -1,0 +1,134 @@
+"""Output processing: sampled tokens in, stop decisions and `RequestOutput`s out.
+
+Each sequence carries an incremental detokenizer; a new token is fed to it, vLLM's stop rules are
+applied (EOS, stop token ids, stop strings, max_tokens, max_model_len), and a request's output for
+a step holds what each of its samples added since the last one handed out (token ids, text, logprobs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.outputs import CompletionOutput, RequestOutput
+from worker.engine.request import Request, SeqStatus, Sequence
+from worker.engine.sampler import SamplerOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, *, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def attach_detokenizer(self, seq: Sequence) -> None:
+        req = seq.request
+        seq.detokenizer = IncrementalDetokenizer.from_sampling_params(
+            self.tokenizer, req.prompt_token_ids, req.sampling_params
+        )
+
+    def append_sampled(self, seqs: list[Sequence], result: SamplerOutput, now: float) -> list[SeqStatus | None]:
+        """Append each row's sampled token (and logprobs) to its sequence; per row, the status it
+        finishes with, or None if it goes on."""
+        tokens = result.token_ids.tolist()
+        lp = top_ids = top_lp = None
+        if result.logprobs is not None:
+            lp = result.logprobs.tolist()
+            top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+            top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        statuses = []
+        for r, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            seq.token_ids.append(token)
+            _record_token_time(seq, now)
+            k = seq.request.sampling_params.logprobs
+            if lp is not None and k is not None:
+                seq.logprobs.append(lp[r])
+                seq.top_logprobs.append(list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else [])
+            statuses.append(self.check_stop(seq, token))
+        return statuses
+
+    def check_stop(self, seq: Sequence, token: int) -> SeqStatus | None:
+        """Feed the newest token to the detokenizer (unless it is the stop token) and apply vLLM's stops."""
+        p = seq.request.sampling_params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SeqStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return SeqStatus.FINISHED_STOPPED
+        seq.pending_text += seq.detokenizer.update(token)
+        if seq.detokenizer.stopped:
+            seq.stop_reason = seq.detokenizer.stop_reason
+            return SeqStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return SeqStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SeqStatus.FINISHED_LENGTH
+        return None
+
+    def replay(self, seq: Sequence, delivered: list[int]) -> SeqStatus | None:
+        """Tokens a previous worker already delivered: appended and fed to the detokenizer (so its held-back
+        text and stop-string state are what the first worker had), never handed out again. Returns the
+        status the sample had stopped with, if it had."""
+        status = None
+        for token in delivered:
+            seq.token_ids.append(token)
+            status = self.check_stop(seq, token)
+        seq.pending_text = ""
+        seq.num_emitted = seq.logprob_offset = seq.num_output_tokens
+        return status
+
+    @staticmethod
+    def flush(seq: Sequence) -> None:
+        """The sequence finished: whatever text the detokenizer held back is now final."""
+        if seq.detokenizer:
+            seq.pending_text += seq.detokenizer.flush()
+
+    @staticmethod
+    def make_output(req: Request, prev: RequestOutput | None) -> RequestOutput:
+        """The request's output for this step: what each sample added since it was last handed out, on
+        top of `prev` (the output already built for it this step, if any)."""
+        want_lp = req.sampling_params.logprobs is not None
+        completions = []
+        for seq in req.seqs:
+            start = seq.num_emitted
+            new_ids = seq.output_token_ids[start:]
+            seq.num_emitted = seq.num_output_tokens
+            delta, seq.pending_text = seq.pending_text, ""
+            old = prev.outputs[seq.index] if prev and seq.index < len(prev.outputs) else None
+            out = CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.output_text if seq.detokenizer else "",
+                token_ids=list(seq.output_token_ids),
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+                delta_token_ids=(old.delta_token_ids if old else []) + new_ids,
+                delta_text=(old.delta_text if old else "") + delta,
+            )
+            if want_lp:  # tokens a previous worker delivered (resume) have none
+                lp_start = max(start - seq.logprob_offset, 0)
+                out.logprobs, out.top_logprobs = list(seq.logprobs), list(seq.top_logprobs)
+                out.delta_logprobs = (old.delta_logprobs if old else []) + seq.logprobs[lp_start:]
+                out.delta_top_logprobs = (old.delta_top_logprobs if old else []) + seq.top_logprobs[lp_start:]
+            completions.append(out)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=req.finished,
+            metrics=req.metrics,
+            error=req.error,
+        )
+
+
+def _record_token_time(seq: Sequence, now: float) -> None:
+    """First-token time, and inter-token latencies of sample 0."""
+    m = seq.request.metrics
+    if m.first_token is None:
+        m.first_token = now
+    elif seq.index == 0 and m.last_token is not None:
+        m.inter_token_latencies.append(now - m.last_token)
+    if seq.index == 0:
+        m.last_token = now
