@@ -140,7 +140,13 @@ async def wait_for(cond, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+# Every step of a chaos worker takes at least this long (a fault hook), so requests are surely still
+# mid-generation when a scenario strikes, however fast the machine: faults are forced, not raced.
+STEP_DELAY_S = "0.02"
+
+
 def worker(model_dir, url: str, name: str, *args: str, env: dict | None = None) -> WorkerProc:
+    env = {"PAGEDQ_FAULT_STEP_DELAY_S": STEP_DELAY_S, **(env or {})}
     return WorkerProc(
         model_dir, url, "--claim-idle-ms", "1500", "--max-num-seqs", "64", *args, name=name, metrics=False, env=env
     )

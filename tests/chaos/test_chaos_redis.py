@@ -23,7 +23,6 @@ from worker.service.redis_proc import RedisProcess
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 MAX_TOKENS = 60
-SLOW = {"PAGEDQ_FAULT_STEP_DELAY_S": "0.02"}  # requests stay mid-generation while the fault strikes
 PUBLISH_SHA = hashlib.sha1(scripts.PUBLISH.encode()).hexdigest()
 
 
@@ -77,7 +76,7 @@ def test_lost_publish_reply_writes_nothing_twice(llama_dir, aof_redis, reference
     """Redis ran the publish script, the reply never came back, the worker sent the batch again."""
     prompts, expected = _pick(reference, 20)
     proxy = ReplyDroppingProxy(aof_redis.port)
-    w = worker(llama_dir, proxy.url, "behind-proxy", env=SLOW).start()
+    w = worker(llama_dir, proxy.url, "behind-proxy").start()
 
     async def during():
         await wait_for(lambda: mid_flight(aof_redis.url, prompts, MAX_TOKENS) >= 10, 60, "10 requests mid-generation")
@@ -100,7 +99,7 @@ def test_lost_publish_reply_writes_nothing_twice(llama_dir, aof_redis, reference
 
 def test_maxmemory_reached_then_freed(llama_dir, aof_redis, reference):
     prompts, expected = _pick(reference, 20)
-    w = worker(llama_dir, aof_redis.url, "oom", env=SLOW).start()
+    w = worker(llama_dir, aof_redis.url, "oom").start()
     admin = redis.Redis.from_url(aof_redis.url)
 
     async def during():
@@ -159,7 +158,7 @@ def test_readonly_after_failover_then_promoted_back(llama_dir, reference, tmp_pa
             deadline = time.monotonic() + 10
             while not wait_link() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            w = worker(llama_dir, a.url, "failover", env=SLOW).start()
+            w = worker(llama_dir, a.url, "failover").start()
 
             async def during():
                 await wait_for(lambda: mid_flight(a.url, prompts, MAX_TOKENS) >= 10, 60, "10 requests mid-generation")
@@ -190,7 +189,7 @@ def test_malformed_and_unknown_events_in_reclaimed_streams(llama_dir, aof_redis,
     ids = list(prompts)
     corrupt, future = ids[0], ids[1]
     url = aof_redis.url
-    first = worker(llama_dir, url, "first", env=SLOW).start()
+    first = worker(llama_dir, url, "first").start()
     second = worker(llama_dir, url, "second")
     admin = redis.Redis.from_url(url)
 

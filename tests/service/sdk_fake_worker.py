@@ -23,6 +23,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import client_options
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, EVENT_FIELD
 from producer_sdk.errors import ProtocolError
 from producer_sdk.protocol import (
@@ -69,11 +70,11 @@ class FakeWorker:
         cap: int = 10_000,
         ttl_s: int = 3600,
     ) -> None:
-        self.redis = aioredis.Redis.from_url(
-            redis_url,
-            retry=Retry(ConstantBackoff(0.02), 50),
-            retry_on_error=[rex.ConnectionError, rex.TimeoutError],
-        )
+        # redis-py retries a command through a Redis restart here (the fake resends blindly: it is
+        # a test double); the socket timeout stays explicit whatever redis-py's defaults are.
+        options = client_options(asyncio=True, socket_timeout=10.0)
+        options.update(retry=Retry(ConstantBackoff(0.02), 50), retry_on_error=[rex.ConnectionError, rex.TimeoutError])
+        self.redis = aioredis.Redis.from_url(redis_url, **options)
         self.model = model
         self.name = name
         self.token_delay = token_delay
@@ -101,9 +102,8 @@ class FakeWorker:
         self.resume.set()
         for t in list(self._tasks):
             t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        # Bounded: redis-py 8 can leave a task cancelled mid-read waiting on its socket.
+        await asyncio.wait(list(self._tasks), timeout=2)
         await self.redis.aclose()
 
     def _spawn(self, coro) -> asyncio.Task:

@@ -57,7 +57,12 @@ class Admission:
         self.recently_cancelled = recently_cancelled
         self.wake_engine = wake_engine
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.mean_seats: float | None = None  # moving average of n over decoded requests
         self.log = get_logger("pagedq.intake", worker=consumer)
+
+    def idle(self) -> bool:
+        """Nothing in flight: the next entry is taken whatever its size (someone has to run it)."""
+        return not self.inflight
 
     def close(self) -> None:
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -137,6 +142,8 @@ class Admission:
         except ProtocolError as err:
             await self.closer.refuse(e, e.request_id, getattr(err, "code", "malformed") or "malformed", str(err), seq=0)
             return None
+        n = req.sampling.n
+        self.mean_seats = n if self.mean_seats is None else 0.8 * self.mean_seats + 0.2 * n
         if e.request_id is not None and e.request_id != req.request_id:
             msg = f"entry id field {e.request_id!r} does not match the payload's request_id {req.request_id!r}"
             await self.closer.refuse(e, e.request_id, "schema", msg, seq=0)

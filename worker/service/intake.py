@@ -1,7 +1,9 @@
 """Pulls request entries from the lane streams: reclaimed and new ones, in one place.
 
-Each round takes only as many entries as the engine has room for (sequences, not requests: a
-request with n samples takes n seats), so idle workers take the rest: load balancing with no router.
+Each round takes only as many entries as the engine has room for, counted in sequences (a request
+with n samples takes n seats): the number of entries read is the free seats over the mean n of the
+requests seen so far (one entry until the first is seen), and nothing is read while fewer seats are
+free than that mean. So idle workers take the rest: load balancing with no router.
 Entries a dead worker left idle past the claim timeout come first (XAUTOCLAIM, every reclaim
 interval), then new ones, high lane first; with nothing waiting it blocks on all lanes at once.
 Redis outages and transient errors are retried with backoff; anything else stops the worker (the
@@ -11,6 +13,7 @@ supervisor's job).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 
@@ -68,13 +71,13 @@ class Intake:
     async def run(self) -> None:
         backoff = Backoff(max_s=5.0)
         while True:
-            room = self.capacity()
-            if room <= 0:
+            count = self._entries_to_read()
+            if count <= 0:
                 self.capacity_changed.clear()
                 await self.capacity_changed.wait()
                 continue
             try:
-                await self._round(room)
+                await self._round(count)
                 backoff.reset()
             except ResponseError as e:
                 if "NOGROUP" in str(e):
@@ -88,6 +91,16 @@ class Intake:
                 if not is_transient(e):
                     raise
                 await self._retry_later(backoff, e)
+
+    def _entries_to_read(self) -> int:
+        room = self.capacity()
+        mean = self.admission.mean_seats
+        if mean is None:
+            return min(room, 1)
+        need = max(1, math.ceil(mean - 0.25))
+        if room < need and not self.admission.idle():
+            return 0  # an entry would likely not fit: leave it to a worker with room
+        return max(1, room // need) if room > 0 else 0
 
     async def _retry_later(self, backoff: Backoff, error: BaseException, then=None) -> None:
         self.metrics.labels(self.metrics.redis_errors).inc()

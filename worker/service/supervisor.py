@@ -39,12 +39,17 @@ class Supervisor:
             self.log.error("background task ended unexpectedly", task=name)
         self.on_failure(name, error)
 
-    async def cancel(self, *names: str) -> None:
-        """Cancel the named tasks (all when none is named) and wait for them to end."""
+    async def cancel(self, *names: str, timeout: float = 5.0) -> None:
+        """Cancel the named tasks (all when none is named) and wait for them to end, for at most
+        `timeout` seconds: shutdown must not hang on a task stuck in a socket read."""
         tasks = [self.tasks.pop(n) for n in (names or list(self.tasks)) if n in self.tasks]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if not tasks:
+            return
+        _, stuck = await asyncio.wait(tasks, timeout=timeout)
+        if stuck:
+            self.log.warning("tasks did not stop in time", tasks=sorted(t.get_name() for t in stuck))
 
 
 async def every(interval_s: float, duty: Callable[[], Awaitable[None]], log, what: str) -> None:

@@ -1,0 +1,85 @@
+"""A real worker's /health and /ready, its exit when a duty dies, and capacity counted in sequences."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.error
+import urllib.request
+
+import redis
+
+from producer_sdk import Client
+from producer_sdk.contract import keys
+from tests.service.worker_proc import WorkerProc, wait_until
+
+
+def probe(worker: WorkerProc, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}{path}", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_health_and_ready_when_serving(llama_dir, redis_url):
+    w = WorkerProc(llama_dir, redis_url).start()
+    try:
+        assert probe(w, "/health")[0] == 200
+        _, body = wait_until(lambda: (s := probe(w, "/ready"))[0] == 200 and s, what="ready")
+        assert body["redis_ok"] and not body["draining"]
+        with Client(redis_url) as client:
+            assert len(client.generate("hi", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
+        assert probe(w, "/health")[0] == 200
+    finally:
+        w.stop()
+
+
+def test_health_fails_while_the_engine_is_wedged(llama_dir, redis_url):
+    """Each step hangs for 3 s (a fault hook standing in for a wedged forward): /health says so."""
+    w = WorkerProc(llama_dir, redis_url, "--health-stall-s", "1", env={"PAGEDQ_FAULT_STEP_DELAY_S": "3"}).start()
+    try:
+        assert probe(w, "/health")[0] == 200  # idle: the engine loop beats while it waits
+        with Client(redis_url) as client:
+            handle = client.submit("hang", max_tokens=2, ignore_eos=True)
+            _, body = wait_until(lambda: (s := probe(w, "/health"))[0] == 503 and s, what="/health to fail")
+            assert body["engine_beat_age_s"] > 1
+            assert len(handle.result(timeout=60).token_ids) == 2
+        wait_until(lambda: probe(w, "/health")[0] == 200, what="/health to recover")
+    finally:
+        w.stop()
+
+
+def test_not_ready_while_draining(llama_dir, redis_url):
+    w = WorkerProc(llama_dir, redis_url, "--drain-timeout", "30", env={"PAGEDQ_FAULT_STEP_DELAY_S": "0.05"}).start()
+    try:
+        with Client(redis_url) as client:
+            handle = client.submit("long", max_tokens=200, ignore_eos=True)
+            wait_until(lambda: probe(w, "/ready")[0] == 200, what="ready")
+            wait_until(lambda: redis.Redis.from_url(redis_url).exists(keys.response_stream(handle.request_id)))
+            w.signal(signal.SIGTERM)
+            _, body = wait_until(lambda: (s := probe(w, "/ready"))[0] == 503 and s, what="not ready")
+            assert body["draining"] is True
+            assert len(handle.result(timeout=60).token_ids) == 200  # the drain finishes it
+        assert w.wait(60) == 0
+    finally:
+        w.stop()
+
+
+def test_capacity_counts_sequences_not_requests(llama_dir, redis_url):
+    """Requests with n=4 on workers with 4 sequence slots: each worker holds one at a time, so the
+    queue is shared instead of hoarded (counted in requests, the first worker would take five)."""
+    args = ("--max-num-seqs", "4", "--max-model-len", "256")
+    env = {"PAGEDQ_FAULT_STEP_DELAY_S": "0.02"}
+    a = WorkerProc(llama_dir, redis_url, *args, name="a", env=env).start()
+    b = WorkerProc(llama_dir, redis_url, *args, name="b", env=env).start()
+    try:
+        with Client(redis_url) as client:
+            handles = client.submit_many(["x"] * 6, n=4, max_tokens=30, ignore_eos=True, temperature=1.0, seed=3)
+            results = [h.result(timeout=120) for h in handles]
+        assert all(len(r.choices) == 4 for r in results)
+        by_worker = [r.worker for r in results]
+        assert max(by_worker.count("a"), by_worker.count("b")) <= 4, by_worker
+    finally:
+        a.stop()
+        b.stop()
