@@ -217,10 +217,22 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, rows: list[SampleRow]) -> SamplerOutput | None:
         """Run one step; the sampled ids (and logprobs) come back as CPU tensors, after the step's only
         wait for the device."""
+        logits = self.logits(sched, rows)
+        if logits is None:
+            return None
+        out = self.sampler(logits, self._sampling_batch(rows))
+        ids, top_ids, lp, top_lp = to_host([out.token_ids, out.top_token_ids, out.logprobs, out.top_logprobs])
+        return SamplerOutput(token_ids=ids, logprobs=lp, top_token_ids=top_ids, top_logprobs=top_lp)
+
+    @torch.inference_mode()
+    def logits(self, sched: SchedulerOutput, rows: list[SampleRow], *, eager: bool = False) -> torch.Tensor | None:
+        """The step's forward (block copies first, then the graph of its bucket when it is decode-only and
+        graphs are on, unless `eager`); the logits `[len(rows), V]` of the rows to sample, left on the
+        device and not waited for, or None when no row samples."""
         batch = build_step_batch(sched.scheduled, sched.num_decodes, [r.batch_index for r in rows], self.block_size)
         if _POISON_TOKEN is not None and bool((batch.input_ids == int(_POISON_TOKEN)).any()):
             raise RuntimeError(f"fault injection: poison token {_POISON_TOKEN} in the batch")
-        bucket = self._graph_bucket(batch)
+        bucket = None if eager else self._graph_bucket(batch)
         if bucket is not None:
             arrays = [*pad_decode(batch, bucket), batch.block_tables]
         else:
@@ -236,11 +248,9 @@ class ModelRunner:
             hidden = self._forward_eager(batch, *dev[: len(arrays)])
         if not rows:
             return None
-        index = dev[-1] if batch.logits_rows is not None else None
-        logits = self.model.compute_logits(hidden.index_select(0, index) if index is not None else hidden[: len(rows)])
-        out = self.sampler(logits, self._sampling_batch(rows))
-        ids, top_ids, lp, top_lp = to_host([out.token_ids, out.top_token_ids, out.logprobs, out.top_logprobs])
-        return SamplerOutput(token_ids=ids, logprobs=lp, top_token_ids=top_ids, top_logprobs=top_lp)
+        if batch.logits_rows is not None:
+            return self.model.compute_logits(hidden.index_select(0, dev[-1]))
+        return self.model.compute_logits(hidden[: len(rows)])
 
     def _graph_bucket(self, batch: StepBatch) -> int | None:
         graphs = self.decode_graphs
