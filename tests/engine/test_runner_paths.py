@@ -68,7 +68,9 @@ def test_decode_graph_path_gives_transformers_greedy_tokens(llama_dir):
     assert got_forked == [[w, w] for w in want_forked]
     assert got_varied == [[w] for w in want_varied]
     decodes = [s for s in spy.steps if s["decode_only"]]
-    assert all(s["replayed"] == 1 for s in decodes) and not any(s["replayed"] for s in spy.steps if not s["decode_only"])
+    assert all(s["replayed"] == 1 for s in decodes) and not any(
+        s["replayed"] for s in spy.steps if not s["decode_only"]
+    )
     assert any(s["rows"] > s["seqs"] for s in decodes), "no decode-only step forked samples"
     assert any(s["copies"] for s in decodes), "no decode-only step copied blocks"
     assert {s["seqs"] for s in decodes} >= {5, 4, 3, 2, 1}  # padded into buckets 6, 4, 4, 2, 1
