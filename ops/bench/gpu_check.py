@@ -414,19 +414,12 @@ def _compiled_variants(kernel) -> int:
     return sum(len(entry[0]) for entry in caches.values() if isinstance(entry, tuple) and isinstance(entry[0], dict))
 
 
-def _recompile_check(sz: Sizes) -> dict:
-    """Serving-like steps whose per-step values change (decode count, hence the prefill's first request;
-    block-table width; split) compile nothing new once each kernel has run once."""
-    import torch
-
+def compiled_counts() -> dict[str, int]:
+    """Compiled variants of each of pagedq's Triton kernels in this process (all 0: not measurable here)."""
     import kernels.cache_ops as cache_ops
     import kernels.decode as decode
     import kernels.fused_triton as fused
     import kernels.prefill as prefill
-    from kernels import use_backend
-    from kernels.fused import add_rms_norm, rotary_write_kv, silu_and_mul
-    from kernels.paged_attention import paged_attention_triton
-    from ops.bench.kernels import build_problem
 
     watched = {
         "prefill": prefill._prefill_kernel,
@@ -437,6 +430,20 @@ def _recompile_check(sz: Sizes) -> dict:
         "rotary": fused._rotary_kernel,
         "write_kv": cache_ops._write_kv_kernel,
     }
+    return {name: _compiled_variants(k) for name, k in watched.items()}
+
+
+def _recompile_check(sz: Sizes) -> dict:
+    """Serving-like steps whose per-step values change (decode count, hence the prefill's first request;
+    block-table width; split) compile nothing new once each kernel has run once."""
+    import torch
+
+    import kernels.cache_ops as cache_ops
+    from kernels import use_backend
+    from kernels.fused import add_rms_norm, rotary_write_kv, silu_and_mul
+    from kernels.paged_attention import paged_attention_triton
+    from ops.bench.kernels import build_problem
+
     heads = (sz.heads, sz.kv_heads, sz.head_dim)
     dtype = torch.bfloat16
     cos = sin = torch.randn(8192, sz.head_dim, device="cuda")
@@ -458,7 +465,7 @@ def _recompile_check(sz: Sizes) -> dict:
     step([5], [10])  # warm: every kernel once (decode unsplit, then split with the combine)
     step([3000], [], parts=4)
     torch.cuda.synchronize()
-    before = {n: _compiled_variants(k) for n, k in watched.items()}
+    before = compiled_counts()
     step([1] * 16 + [17], [33, 7])  # 17 decodes: the prefill's first request is 17
     step([700], [1])  # block-table width 44 and 1, a one-token "prefill"
     step([16] * 37, [64])
@@ -466,7 +473,7 @@ def _recompile_check(sz: Sizes) -> dict:
     step([4000] * 2, [], parts=16)
     step([100], [], parts=1)
     torch.cuda.synchronize()
-    after = {n: _compiled_variants(k) for n, k in watched.items()}
+    after = compiled_counts()
     if not any(before.values()):  # this Triton keeps its caches elsewhere: nothing to compare
         return {"ok": True, "measured": False, "before": before, "after": after}
     return {"ok": before == after, "measured": True, "before": before, "after": after}
