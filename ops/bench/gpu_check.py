@@ -19,8 +19,10 @@ section only), each writing DIR/<name>.json as soon as it has a result (and agai
                  transformers bf16 and fp32 within a tolerance (tokens are not compared in bf16: ties
                  and kernel choices make them differ legitimately).
   d throughput   the engine at batch 1, 64 and 256 (128 tokens in, 128 out, 16 layers, 1B shapes, bf16)
-                 with CUDA graphs requested off and on, as a share of the bandwidth bound: (weight +
-                 KV bytes) per decode step over the device copy bandwidth measured in the same run.
+                 with CUDA graphs off (--enforce-eager) and on, as a share of the bandwidth bound: (weight +
+                 KV bytes) per decode step over the device copy bandwidth measured in the same run; also
+                 the engine's build and graph-capture time. Fails unless every timed decode step of the
+                 run with graphs replayed one (a dry run replays the graph path's buffers eagerly).
   e attention    decode attention bandwidth vs copy bandwidth and vs SDPA on contiguous KV.
 
 DIR/summary.json lists each section's status and time; the exit code is 0 iff every section passed.
@@ -31,6 +33,7 @@ Redis, no msgspec, no network, no model files (models are random-weight and buil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -612,9 +615,9 @@ def section_throughput(sz: Sizes, work: Path, rep: Report) -> bool:
 
     import torch
 
+    from kernels import use_backend
     from ops.bench.kernels import copy_bandwidth, timer
 
-    LLM, SamplingParams = _engine_imports()
     dtype = "bfloat16" if not sz.dry else "float32"
     folder = build_model(sz, work / f"llama-1b-shape-bench-{sz.bench_layers}l", sz.bench_layers, dtype)
     # Bytes a decode step must move: every weight once (the tied embedding as the LM head), plus the KV
@@ -623,81 +626,119 @@ def section_throughput(sz: Sizes, work: Path, rep: Report) -> bool:
     elem = 2 if dtype == "bfloat16" else 4
     kv_per_token = 2 * sz.bench_layers * sz.kv_heads * sz.head_dim * elem
     copy_bw = copy_bandwidth(sz.device, sz.copy_bytes, timer(sz.device) if not sz.dry else _once)
-    rep.results["copy_bandwidth_GBps"] = copy_bw / 1e9
-    rows = rep.results.setdefault("rows", [])
-    max_batch = max(sz.bench_batches)
-    for enforce_eager in (True, False):
-        llm = LLM(
-            model=str(folder),
-            dtype=dtype,
-            device=sz.device,
-            max_model_len=sz.bench_in + sz.bench_out + 16,
-            max_num_seqs=max_batch,
-            max_num_batched_tokens=max_batch * sz.bench_in,
-            kv_cache_memory=(6 << 30) if not sz.dry else (32 << 20),
-            enable_prefix_caching=False,
-            enforce_eager=enforce_eager,
-        )
-        llm.generate(
-            _prompts(sz, [sz.bench_in] * 4, seed=3), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False
-        )
-        for batch in sz.bench_batches:
-            prompts = _prompts(sz, [sz.bench_in] * batch, seed=10 + batch)
-
-            _timed_generate(llm, prompts, 2, SamplingParams, sz)  # this batch shape once, untimed
-            total_s, step_s, steps = _timed_decode(llm, prompts, sz.bench_out, SamplingParams, sz)
-            mean_context = sz.bench_in + sz.bench_out / 2
-            bound_s = (weight_bytes + batch * mean_context * kv_per_token) / copy_bw
-            rows.append(
-                {
-                    "batch": batch,
-                    "enforce_eager": enforce_eager,
-                    "cuda_graphs": _graphs_active(llm),
-                    "total_s": total_s,
-                    "decode_steps_timed": steps,
-                    "decode_step_ms": step_s * 1e3,
-                    "decode_tokens_per_s": batch / step_s,
-                    "bound_step_ms": bound_s * 1e3,
-                    "share_of_bandwidth_bound": bound_s / step_s,
-                }
-            )
-            rep.save()
-        del llm
-        gc.collect()
-        if sz.device == "cuda":
-            torch.cuda.empty_cache()
-    rep.results["weight_bytes"] = weight_bytes
-    rep.results["cuda_graphs_available"] = any(r["cuda_graphs"] for r in rows)
+    rep.results.update(copy_bandwidth_GBps=copy_bw / 1e9, weight_bytes=weight_bytes, rows=[], engine_build=[])
     rep.results["note"] = (
         "decode step: mean engine step once every request has its first token; "
         "bound: (weight bytes + KV bytes at the mean context) / copy bandwidth"
     )
-    return True
+    mean_context = sz.bench_in + sz.bench_out / 2
+    bound = {b: (weight_bytes + b * mean_context * kv_per_token) / copy_bw for b in sz.bench_batches}
+    eager_tokens: dict[int, list] = {}
+    for enforce_eager in (True, False):
+        # A dry run cannot capture graphs: it runs the graph path's static buffers eagerly instead, through
+        # the (interpreted) Triton kernels, so that this flow is exercised on CPU too.
+        emulate = sz.dry and not enforce_eager
+        with use_backend("triton") if emulate else contextlib.nullcontext():
+            _bench_engine(sz, folder, enforce_eager, emulate, bound, eager_tokens, rep)
+        gc.collect()
+        if sz.device == "cuda":
+            torch.cuda.empty_cache()
+    rows = rep.results["rows"]
+    rep.results["cuda_graphs_available"] = any(r["cuda_graphs"] for r in rows)
+    # Without --enforce-eager every timed decode step went through the graph path: captured graphs on a
+    # GPU, their static buffers run eagerly in a dry run; with it, never.
+    graph_rows = [r for r in rows if not r["enforce_eager"]]
+    replayed = all(r["graph_replays"] >= r["decode_steps_timed"] for r in graph_rows)
+    eager_only = not any(r["graph_replays"] or r["cuda_graphs"] for r in rows if r["enforce_eager"])
+    return replayed and eager_only and all(r["cuda_graphs"] == (sz.device == "cuda") for r in graph_rows)
 
 
-def _timed_decode(llm, prompts, n: int, sampling_params_cls, sz: Sizes) -> tuple[float, float, int]:
-    """(total seconds, mean seconds of a decode step, decode steps timed) for n greedy tokens per prompt,
-    stepping the engine the way `LLM.generate` does; a decode step is one taken once every request
-    has its first token (the prefill is done)."""
+def _bench_engine(
+    sz: Sizes, folder: Path, enforce_eager: bool, emulate: bool, bound: dict, eager_tokens: dict, rep: Report
+) -> None:
+    """One engine (graphs off or on): its build time, then each batch size's decode rate (section d)."""
+    LLM, SamplingParams = _engine_imports()
+    max_batch = max(sz.bench_batches)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(folder),
+        dtype="bfloat16" if not sz.dry else "float32",
+        device=sz.device,
+        max_model_len=sz.bench_in + sz.bench_out + 16,
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max_batch * sz.bench_in,
+        kv_cache_memory=(6 << 30) if not sz.dry else (32 << 20),
+        enable_prefix_caching=False,
+        enforce_eager=enforce_eager,
+    )
+    if emulate:
+        llm.engine.runner.capture_decode_graphs(capture=False)
+    graphs = llm.engine.runner.decode_graphs
+    rep.results["engine_build"].append(
+        {
+            "enforce_eager": enforce_eager,
+            "cuda_graphs": _graphs_active(llm),
+            "seconds": time.perf_counter() - t0,  # load, warm-up and graph capture
+            "capture_seconds": graphs.capture_seconds if graphs else None,
+            "graph_buckets": graphs.sizes if graphs else [],
+        }
+    )
+    rep.save()
+    warm = _prompts(sz, [sz.bench_in] * 4, seed=3)
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    rows = rep.results["rows"]
+    for batch in sz.bench_batches:
+        prompts = _prompts(sz, [sz.bench_in] * batch, seed=10 + batch)
+        _timed_generate(llm, prompts, 2, SamplingParams, sz)  # this batch shape once, untimed
+        replays = graphs.replays if graphs else 0
+        total_s, step_s, steps, tokens = _timed_decode(llm, prompts, sz.bench_out, SamplingParams, sz)
+        row = {
+            "batch": batch,
+            "enforce_eager": enforce_eager,
+            "cuda_graphs": _graphs_active(llm),
+            "graph_replays": graphs.replays - replays if graphs else 0,
+            "total_s": total_s,
+            "decode_steps_timed": steps,
+            "decode_step_ms": step_s * 1e3,
+            "decode_tokens_per_s": batch / step_s,
+            "bound_step_ms": bound[batch] * 1e3,
+            "share_of_bandwidth_bound": bound[batch] / step_s,
+        }
+        if enforce_eager:
+            eager_tokens[batch] = tokens
+        elif batch in eager_tokens:
+            # bf16: differing tokens are legitimate (a padded batch picks other GEMM kernels): for the record.
+            eager_row = next(r for r in rows if r["batch"] == batch and r["enforce_eager"])
+            row["speedup_vs_eager"] = eager_row["decode_step_ms"] / row["decode_step_ms"]
+            row["requests_with_eager_tokens"] = sum(a == b for a, b in zip(tokens, eager_tokens[batch])) / batch
+        rows.append(row)
+        rep.save()
+    del llm, graphs
+
+
+def _timed_decode(llm, prompts, n: int, sampling_params_cls, sz: Sizes) -> tuple[float, float, int, list]:
+    """(total seconds, mean seconds of a decode step, decode steps timed, each prompt's tokens) for n
+    greedy tokens per prompt, stepping the engine the way `LLM.generate` does; a decode step is one
+    taken once every request has its first token (the prefill is done)."""
     engine = llm.engine
     params = sampling_params_cls(temperature=0.0, max_tokens=n, ignore_eos=True)
     _sync(sz)
     start = time.perf_counter()
-    counts = {engine.add_request(None, p, params): 0 for p in prompts}
+    tokens = {engine.add_request(None, p, params): [] for p in prompts}
     decode_times = []
     while engine.has_unfinished_requests():
-        decoding = all(counts.values())
+        decoding = all(tokens.values())
         t0 = time.perf_counter()
         outs = engine.step()  # returns after the sampled ids reach the host: no extra sync needed
         dt = time.perf_counter() - t0
         for o in outs:
-            counts[o.request_id] = len(o.outputs[0].token_ids)
+            tokens[o.request_id] = list(o.outputs[0].token_ids)
         if decoding:
             decode_times.append(dt)
     total = time.perf_counter() - start
-    if any(c != n for c in counts.values()) or not decode_times:
-        raise RuntimeError(f"asked for {n} tokens per prompt, got {sorted(set(counts.values()))}")
-    return total, sum(decode_times) / len(decode_times), len(decode_times)
+    if any(len(t) != n for t in tokens.values()) or not decode_times:
+        raise RuntimeError(f"asked for {n} tokens per prompt, got {sorted({len(t) for t in tokens.values()})}")
+    return total, sum(decode_times) / len(decode_times), len(decode_times), list(tokens.values())
 
 
 def _timed_generate(llm, prompts, n: int, sampling_params_cls, sz: Sizes) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import time
 from collections.abc import Sequence
 
 import torch
@@ -94,8 +95,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.replays = 0
+        self.capture_seconds = 0.0
         if capture:
+            start = time.perf_counter()
             self._capture_all()
+            self.capture_seconds = time.perf_counter() - start
 
     @property
     def max_size(self) -> int:
