@@ -230,8 +230,6 @@ class ModelRunner:
         graphs are on, unless `eager`); the logits `[len(rows), V]` of the rows to sample, left on the
         device and not waited for, or None when no row samples."""
         batch = build_step_batch(sched.scheduled, sched.num_decodes, [r.batch_index for r in rows], self.block_size)
-        if _POISON_TOKEN is not None and bool((batch.input_ids == int(_POISON_TOKEN)).any()):
-            raise RuntimeError(f"fault injection: poison token {_POISON_TOKEN} in the batch")
         bucket = None if eager else self._graph_bucket(batch)
         if bucket is not None:
             arrays = [*pad_decode(batch, bucket), batch.block_tables]
@@ -242,6 +240,8 @@ class ModelRunner:
         dev = self.uploader.upload(*arrays, *extras)
         if copies is not None:
             copy_blocks([c for layer in self.kv_caches for c in layer], dev[len(arrays)])
+        if _POISON_TOKEN is not None and bool((batch.input_ids == int(_POISON_TOKEN)).any()):
+            raise RuntimeError(f"fault injection: poison token {_POISON_TOKEN} in the batch")
         if bucket is not None:
             hidden = self.decode_graphs.run(bucket, *dev[:3])
         else:
