@@ -113,3 +113,20 @@ def test_to_host_leaves_cpu_tensors_as_they_are():
     ids, lp = torch.tensor([1, 2]), torch.tensor([-0.5, -1.0])
     out = to_host([ids, None, lp, None])
     assert out[0] is ids and out[1] is None and out[2] is lp and out[3] is None
+
+
+def test_uploader_reserved_for_the_largest_step_never_allocates_again():
+    up = Uploader(torch.device("cpu"), copy=True)
+    up.reserve({np.int64: 3 * 512 + 16, np.int32: 2 * 16 + 1 + 16 * 64})
+    buffers = {dt: (up._host[dt].data_ptr(), t.data_ptr()) for dt, t in up._device.items()}
+    for tokens, seqs, width in [(512, 16, 64), (1, 1, 1), (300, 7, 33)]:  # 6 arrays, each aligned
+        up.upload(
+            np.zeros(tokens, np.int64),
+            np.zeros(tokens, np.int64),
+            np.zeros(tokens, np.int64),
+            np.zeros(seqs + 1, np.int32),
+            np.zeros(seqs, np.int32),
+            np.zeros((seqs, width), np.int32),
+            np.zeros(seqs, np.int64),
+        )
+        assert {dt: (up._host[dt].data_ptr(), t.data_ptr()) for dt, t in up._device.items()} == buffers

@@ -84,6 +84,8 @@ class ModelRunner:
         self.vocab_size = self.model.lm_head.weight.shape[0]
         self.max_num_seqs = max_num_seqs
         self.uploader = Uploader(self.device)
+        seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)
+        self.uploader.reserve({np.int64: 3 * tokens + seqs, np.int32: 2 * seqs + 1 + seqs * self.max_blocks_per_seq})
         self.decode_graphs: DecodeGraphs | None = None
         self.cuda_graphs = False  # decode-only steps replay captured CUDA graphs
         self._warm_up()

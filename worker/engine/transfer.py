@@ -67,6 +67,12 @@ class Uploader:
             self._copied.record()
         return [self._device[dt][start : start + a.size].view(a.shape) for a, (dt, start) in zip(arrays, places)]
 
+    def reserve(self, sizes: dict[type, int]) -> None:
+        """Allocate the staging for the largest step now (elements per numpy dtype), not while serving."""
+        if self.copy:
+            for dt, size in sizes.items():
+                self._reserve(np.dtype(dt), size + 64 * 16)  # + room for the alignment of up to 64 arrays
+
     def _reserve(self, dt: np.dtype, size: int) -> None:
         have = self._host.get(dt)
         if have is not None and have.numel() >= size:
