@@ -56,20 +56,20 @@ def test_graphs_on_and_off_give_transformers_greedy_tokens_in_fp32(tiny_model_di
     from ops.bench.gpu_check import _hf_greedy
 
     model_dir = tiny_model_dirs[family]
-    prompts = [[17], *_prompts(500)]  # the one-token prompt forks (n=2) in a decode-only step
-    max_new = [5, *MAX_NEW]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
-    want = [_hf_greedy(hf, p, n, "cuda") for p, n in zip(prompts, max_new, strict=True)]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, n=2 if i == 0 else 1)
-              for i, n in enumerate(max_new)]  # fmt: skip
+    forked = [[17], [301]]  # one-token prompts: their first step is decode-only, and forks them (n=2)
+    want_forked = [_hf_greedy(hf, p, 5, "cuda") for p in forked]
+    prompts = _prompts(500)
+    want = [_hf_greedy(hf, p, n, "cuda") for p, n in zip(prompts, MAX_NEW, strict=True)]
     for eager in (True, False):
         engine = _engine(model_dir, "float32", eager)
         assert engine.runner.cuda_graphs is (not eager)
-        got = _run(engine, prompts, params)
-        assert got[0] == [want[0], want[0]], f"eager={eager}: forked samples"
-        assert [g[0] for g in got[1:]] == want[1:], f"eager={eager}"
+        pair = SamplingParams(temperature=0.0, max_tokens=5, n=2, ignore_eos=True)
+        assert _run(engine, forked, [pair, pair]) == [[w, w] for w in want_forked], f"eager={eager}"
+        got = _run(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_NEW])
+        assert [g[0] for g in got] == want, f"eager={eager}"
         if not eager:
-            assert engine.runner.decode_graphs.replays >= 4
+            assert engine.runner.decode_graphs.replays >= 4 + 4
 
 
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 3e-2)])
