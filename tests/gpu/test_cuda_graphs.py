@@ -53,14 +53,14 @@ def _decode_only(sched) -> bool:
 def test_graphs_on_and_off_give_transformers_greedy_tokens_in_fp32(tiny_model_dirs, family):
     from transformers import AutoModelForCausalLM
 
-    from ops.bench.gpu_check import _hf_greedy
+    from ops.bench.gpu_check_common import hf_greedy
 
     model_dir = tiny_model_dirs[family]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
     forked = [[17], [301]]  # one-token prompts: their first step is decode-only, and forks them (n=2)
-    want_forked = [_hf_greedy(hf, p, 5, "cuda") for p in forked]
+    want_forked = [hf_greedy(hf, p, 5, "cuda") for p in forked]
     prompts = _prompts(500)
-    want = [_hf_greedy(hf, p, n, "cuda") for p, n in zip(prompts, MAX_NEW, strict=True)]
+    want = [hf_greedy(hf, p, n, "cuda") for p, n in zip(prompts, MAX_NEW, strict=True)]
     for eager in (True, False):
         engine = _engine(model_dir, "float32", eager)
         assert engine.runner.cuda_graphs is (not eager)
@@ -102,7 +102,7 @@ def test_graph_replay_logits_match_eager_logits(tiny_model_dirs, monkeypatch, dt
 
 @pytest.mark.parametrize("eager", [False, True])
 def test_serving_compiles_nothing_allocates_nothing_and_waits_once_per_step(tiny_model_dirs, monkeypatch, eager):
-    from ops.bench.gpu_check import compiled_counts
+    from ops.bench.gpu_check_correctness import compiled_counts
 
     engine = _engine(tiny_model_dirs["llama"], "bfloat16", eager, max_num_batched_tokens=256)
     runner = engine.runner
