@@ -26,8 +26,10 @@ section only), each writing DIR/<name>.json as soon as it has a result (and agai
   e attention    decode attention bandwidth vs copy bandwidth and vs SDPA on contiguous KV.
 
 DIR/summary.json lists each section's status and time; the exit code is 0 iff every section passed.
-Needs torch, triton, transformers, numpy and this repository's worker/ and kernels/ packages: no
-Redis, no msgspec, no network, no model files (models are random-weight and built here, under --work).
+Needs torch, triton, transformers, numpy and this repository's worker/ and kernels/ packages (plus msgspec,
+which the engine's sampling parameters import: sections b and d say so when it is missing): no Redis, no
+network, no model files (models are random-weight and built here, under --work). The sections live in
+gpu_check_correctness.py (a-c) and gpu_check_speed.py (d, e), what they share in gpu_check_common.py.
 """
 
 from __future__ import annotations
