@@ -50,7 +50,12 @@ def test_dry_run_passes_every_section(tmp_path):
     rows = sections["d_throughput"]["results"]["rows"]
     assert [(r["batch"], r["enforce_eager"]) for r in rows] == [(1, True), (2, True), (1, False), (2, False)]
     assert all(r["decode_tokens_per_s"] > 0 and r["share_of_bandwidth_bound"] > 0 for r in rows)
-    assert not sections["d_throughput"]["results"]["cuda_graphs_available"]
+    assert not sections["d_throughput"]["results"]["cuda_graphs_available"]  # never captured on CPU
+    # Without --enforce-eager every timed decode step went through the graph path (run eagerly here).
+    assert all(r["graph_replays"] == (0 if r["enforce_eager"] else r["decode_steps_timed"]) for r in rows)
+    assert all(r["requests_with_eager_tokens"] == 1.0 for r in rows if not r["enforce_eager"])  # fp32
+    builds = sections["d_throughput"]["results"]["engine_build"]
+    assert [(b["enforce_eager"], b["graph_buckets"]) for b in builds] == [(True, []), (False, [1, 2])]
     attention = sections["e_attention"]["results"]["decode"]
     assert attention and all(r["triton_us"] > 0 and r["sdpa_us"] > 0 for r in attention)
 

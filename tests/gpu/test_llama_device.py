@@ -92,12 +92,12 @@ def test_llama3_rope_model_on_cuda_fp32_logits_and_bf16_within_tolerance(llama3_
 def test_engine_greedy_tokens_equal_transformers_on_cuda_fp32(llama3_dir):
     from transformers import AutoModelForCausalLM
 
-    from ops.bench.gpu_check import _hf_greedy
+    from ops.bench.gpu_check_common import hf_greedy
     from worker import LLM, SamplingParams
 
     seqs, _ = _seqs(512)
     hf = AutoModelForCausalLM.from_pretrained(llama3_dir, dtype=torch.float32).to("cuda").eval()
-    want = [_hf_greedy(hf, s, 12, "cuda") for s in seqs]
+    want = [hf_greedy(hf, s, 12, "cuda") for s in seqs]
     llm = LLM(
         model=str(llama3_dir), dtype="float32", device="cuda", max_model_len=256,
         max_num_batched_tokens=64, kv_cache_memory=64 << 20,
@@ -108,7 +108,8 @@ def test_engine_greedy_tokens_equal_transformers_on_cuda_fp32(llama3_dir):
 
 @pytest.mark.gpu
 def test_no_kernel_compiles_again_when_per_step_values_change():
-    from ops.bench.gpu_check import Sizes, _recompile_check
+    from ops.bench.gpu_check_common import Sizes
+    from ops.bench.gpu_check_correctness import recompile_check
 
-    result = _recompile_check(Sizes.for_run(dry=False))
+    result = recompile_check(Sizes.for_run(dry=False))
     assert result["ok"], result

@@ -242,6 +242,28 @@ def test_suppressed_tokens_are_never_sampled():
     assert (ids[3::2] == eos).float().mean() > 0.9  # unsuppressed rows still pick it
 
 
+def test_suppression_is_filtered_on_the_host_when_the_vocab_is_known():
+    """With `vocab_size` (what the runner passes) ids past the vocabulary are dropped at build time, so
+    the device never needs a boolean mask (a sync on CUDA); the draws are the same either way."""
+    logits = torch.tensor([[0.0, 0.5, 6.0, 1.0]]).expand(6, -1)
+    rows = [SamplingRow(SamplingParams(temperature=t, seed=i), generator=torch.Generator().manual_seed(i))
+            for i, t in enumerate([0.0, 1.0] * 3)]  # fmt: skip
+    pairs = [(0, [2, 99]), (1, [2]), (3, [99, 4000]), (4, [1, 2, 3])]
+    filtered = SamplingBatch.build(rows, suppress=pairs, vocab_size=4)
+    assert filtered.suppress_vocab == 4
+    assert filtered.suppress[0].tolist() == [0, 1, 4, 4, 4] and filtered.suppress[1].tolist() == [2, 2, 1, 2, 3]
+    unfiltered = SamplingBatch.build(rows, suppress=pairs)
+    assert unfiltered.suppress_vocab is None and 99 in unfiltered.suppress[1].tolist()
+    for r in rows:
+        r.generator.manual_seed(0)
+    a = sampler(logits, filtered).token_ids
+    for r in rows:
+        r.generator.manual_seed(0)
+    b = sampler(logits, unfiltered).token_ids
+    assert a.tolist() == b.tolist() and a[0] == 3 and a[4] == 0
+    assert SamplingBatch.build(rows, suppress=[(2, [99])], vocab_size=4).suppress is None
+
+
 def test_min_tokens_suppression_helper():
     rows = [
         SamplingRow(SamplingParams(min_tokens=3, stop_token_ids=[7]), output_token_ids=[1]),

@@ -71,6 +71,7 @@ class LLMEngine:
             num_kv_blocks=cfg.num_kv_blocks,
             kv_cache_memory=cfg.kv_cache_memory,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks,

@@ -1,9 +1,14 @@
 """Turns one scheduled step into a forward pass and sampled tokens.
 
 It owns the model and the KV cache tensors. From the scheduler's output it builds the flattened
-batch — token ids, positions, slot mapping, per-request query starts, sequence lengths, block
-tables — with one host-to-device copy per array, runs the model, computes logits only at the rows
-that will be sampled, and samples.
+batch on the host (step_inputs.py), moves it to the device through pinned staging buffers without
+blocking (transfer.py), runs the model — eagerly, or for a decode-only step by replaying the CUDA
+graph of its batch-size bucket (cuda_graphs.py) — computes logits only at the rows that will be
+sampled, samples on the device, and brings the sampled ids (and logprobs) back in one copy: the
+step's only wait for the device.
+
+Everything built lazily (the CPU decode extension, Triton kernels, the graphs) is built in the
+constructor, so the first request runs at the speed of the second.
 """
 
 from __future__ import annotations
@@ -15,10 +20,16 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata, copy_blocks
+from kernels import cpu as kernels_cpu
+from kernels.dispatch import backend_for
+from worker.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from worker.engine.kv_cache import blocks_for_bytes
 from worker.engine.request import Sequence
 from worker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, min_tokens_suppression
+from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import SchedulerOutput
+from worker.engine.step_inputs import StepBatch, build_step_batch, pad_decode, warm_up_batch
+from worker.engine.transfer import Uploader, to_host
 from worker.models.loader import LoadedModel
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -51,6 +62,7 @@ class ModelRunner:
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = loaded.model
         self.device = loaded.device
@@ -69,6 +81,16 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids  # masked for rows still under min_tokens
+        self.vocab_size = self.model.lm_head.weight.shape[0]
+        self.max_num_seqs = max_num_seqs
+        self.uploader = Uploader(self.device)
+        seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)
+        self.uploader.reserve({np.int64: 3 * tokens + seqs, np.int32: 2 * seqs + 1 + seqs * self.max_blocks_per_seq})
+        self.decode_graphs: DecodeGraphs | None = None
+        self.cuda_graphs = False  # decode-only steps replay captured CUDA graphs
+        self._warm_up()
+        if self.device.type == "cuda" and not enforce_eager and backend_for(self.kv_cache) == "triton":
+            self.capture_decode_graphs()
 
     # --- sizing ------------------------------------------------------------------------------
 
@@ -141,22 +163,131 @@ class ModelRunner:
             )
         return budget
 
+    # --- start-up: build everything lazy now (issue 18: ready means ready) ----------------------
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One tiny step through every path a request will take, writing nothing to the cache: the C++
+        decode extension (CPU) or the Triton prefill/decode kernels (CUDA, the decode one also split),
+        the LM head, the sampler in its greedy and random modes, the host copies."""
+        if backend_for(self.kv_cache) == "cpu":
+            kernels_cpu.extension()
+        batch = warm_up_batch(self.block_size)
+        dev = self.uploader.upload(*self._eager_arrays(batch), batch.logits_rows)
+        hidden = self._forward_eager(batch, *dev[:6])
+        if backend_for(self.kv_cache) == "triton":
+            ids, pos, meta = self._eager_inputs(batch, *dev[:6])
+            meta.decode_partitions = 2  # the split decode and its combine kernel
+            self.model(ids, pos, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden.index_select(0, dev[6]))
+        greedy, spiced = (
+            SamplingParams(temperature=0.0),
+            SamplingParams(
+                temperature=0.8,
+                top_k=5,
+                top_p=0.9,
+                min_p=0.01,
+                repetition_penalty=1.1,
+                presence_penalty=0.1,
+                logprobs=1,
+            ),
+        )
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        rows = [SamplingRow(greedy), SamplingRow(spiced, (1, 2), (3,), gen)]
+        out = self.sampler(logits, SamplingBatch.build(rows, device=self.device, vocab_size=self.vocab_size))
+        to_host([out.token_ids, out.top_token_ids, out.logprobs, out.top_logprobs])
+
+    def capture_decode_graphs(self, *, capture: bool = True) -> None:
+        """Build the decode-step graphs (see cuda_graphs.py). `capture=False` keeps the static-buffer
+        path but runs it eagerly (the CPU tests of that path)."""
+        if capture and (self.device.type != "cuda" or backend_for(self.kv_cache) != "triton"):
+            raise RuntimeError("CUDA graphs need a CUDA device and the triton attention backend")
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            sizes=capture_sizes(self.max_num_seqs),
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            capture=capture,
+        )
+        self.cuda_graphs = capture
+
     # --- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, rows: list[SampleRow]) -> SamplerOutput | None:
-        if sched.block_copies:
-            pairs = torch.tensor(sched.block_copies, dtype=torch.long, device=self.device)
-            copy_blocks([c for layer in self.kv_caches for c in layer], pairs)
-        ids, positions, meta, last_rows = self._prepare(sched)
-        if _POISON_TOKEN is not None and bool((ids == int(_POISON_TOKEN)).any()):
+        """Run one step; the sampled ids (and logprobs) come back as CPU tensors, after the step's only
+        wait for the device."""
+        logits = self.logits(sched, rows)
+        if logits is None:
+            return None
+        out = self.sampler(logits, self._sampling_batch(rows))
+        ids, top_ids, lp, top_lp = to_host([out.token_ids, out.top_token_ids, out.logprobs, out.top_logprobs])
+        return SamplerOutput(token_ids=ids, logprobs=lp, top_token_ids=top_ids, top_logprobs=top_lp)
+
+    @torch.inference_mode()
+    def logits(self, sched: SchedulerOutput, rows: list[SampleRow], *, eager: bool = False) -> torch.Tensor | None:
+        """The step's forward (block copies first, then the graph of its bucket when it is decode-only and
+        graphs are on, unless `eager`); the logits `[len(rows), V]` of the rows to sample, left on the
+        device and not waited for, or None when no row samples."""
+        batch = build_step_batch(sched.scheduled, sched.num_decodes, [r.batch_index for r in rows], self.block_size)
+        bucket = None if eager else self._graph_bucket(batch)
+        if bucket is not None:
+            arrays = [*pad_decode(batch, bucket), batch.block_tables]
+        else:
+            arrays = self._eager_arrays(batch)
+        copies = np.asarray(sched.block_copies, dtype=np.int64).reshape(-1, 2) if sched.block_copies else None
+        extras = [a for a in (copies, batch.logits_rows) if a is not None]
+        dev = self.uploader.upload(*arrays, *extras)
+        if copies is not None:
+            copy_blocks([c for layer in self.kv_caches for c in layer], dev[len(arrays)])
+        if _POISON_TOKEN is not None and bool((batch.input_ids == int(_POISON_TOKEN)).any()):
             raise RuntimeError(f"fault injection: poison token {_POISON_TOKEN} in the batch")
-        hidden = self.model(ids, positions, self.kv_caches, meta)
+        if bucket is not None:
+            hidden = self.decode_graphs.run(bucket, *dev[:3])
+        else:
+            hidden = self._forward_eager(batch, *dev[: len(arrays)])
         if not rows:
             return None
-        index = torch.tensor([last_rows[r.batch_index] for r in rows], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        return self.sampler(logits, self._sampling_batch(rows))
+        if batch.logits_rows is not None:
+            return self.model.compute_logits(hidden.index_select(0, dev[-1]))
+        return self.model.compute_logits(hidden[: len(rows)])
+
+    def _graph_bucket(self, batch: StepBatch) -> int | None:
+        graphs = self.decode_graphs
+        if graphs is None or not batch.decode_only or batch.block_tables.shape[1] > graphs.block_tables.shape[1]:
+            return None
+        return graphs.bucket(batch.num_seqs)
+
+    @staticmethod
+    def _eager_arrays(batch: StepBatch) -> list[np.ndarray]:
+        return [
+            batch.input_ids,
+            batch.positions,
+            batch.slot_mapping,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+        ]
+
+    def _eager_inputs(self, batch: StepBatch, ids, positions, slots, qsl, seq_lens, tables):
+        meta = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=slots,
+            max_query_len=max(batch.query_lens),
+            max_seq_len=batch.max_seq_len,
+            num_decodes=batch.num_decodes,
+            query_lens_host=batch.query_lens,
+            seq_lens_host=batch.seq_lens.tolist(),
+        )
+        return ids, positions, meta
+
+    def _forward_eager(self, batch: StepBatch, *device_arrays: torch.Tensor) -> torch.Tensor:
+        ids, positions, meta = self._eager_inputs(batch, *device_arrays[:6])
+        return self.model(ids, positions, self.kv_caches, meta)
 
     def _sampling_batch(self, rows: list[SampleRow]) -> SamplingBatch:
         sampling_rows = []
@@ -173,43 +304,6 @@ class ModelRunner:
                 )
             )
         suppress = min_tokens_suppression(sampling_rows, self.eos_token_ids)
-        return SamplingBatch.build(sampling_rows, device=self.device, suppress=suppress or None)
-
-    def _prepare(self, sched: SchedulerOutput):
-        bs = self.block_size
-        starts, qlens, tables, ids = [], [], [], []
-        for s in sched.scheduled:
-            start = s.seq.num_computed_tokens
-            starts.append(start)
-            qlens.append(s.num_new_tokens)
-            ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
-            tables.append(s.block_table)
-        starts_np = np.asarray(starts, dtype=np.int64)
-        qlens_np = np.asarray(qlens, dtype=np.int64)
-        seq_lens_np = starts_np + qlens_np
-        qsl = np.zeros(len(qlens) + 1, dtype=np.int64)
-        np.cumsum(qlens_np, out=qsl[1:])
-        total = int(qsl[-1])
-        req_of_token = np.repeat(np.arange(len(qlens)), qlens_np)
-        positions = np.arange(total) - qsl[:-1][req_of_token] + starts_np[req_of_token]
-        width = max(len(t) for t in tables)
-        table_np = np.zeros((len(tables), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            table_np[i, : len(t)] = t
-        slots = table_np[req_of_token, positions // bs] * bs + positions % bs
-
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(table_np.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(qlens_np.max()),
-            max_seq_len=int(seq_lens_np.max()),
-            num_decodes=sched.num_decodes,
-            query_lens_host=qlens,
-            seq_lens_host=seq_lens_np.tolist(),
+        return SamplingBatch.build(
+            sampling_rows, device=self.device, suppress=suppress or None, vocab_size=self.vocab_size
         )
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(positions).to(dev)
-        return ids_t, pos_t, meta, (qsl[1:] - 1).tolist()

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.transfer import to_device
 
 _NEG_INF = float("-inf")
 # exponential_ may return exactly 0; 0/0 would be NaN and argmax would pick it.
@@ -68,6 +69,7 @@ class SamplingBatch:
     min_p: Tensor | None  # [B] float32, 0.0 = off; None when no random row uses min-p
     penalties: Penalties | None
     suppress: tuple[Tensor, Tensor] | None  # (row index, token id) pairs to mask, flat int64
+    suppress_vocab: int | None  # the vocabulary the pairs were filtered for on the host (None: not filtered)
     generators: dict[int, torch.Generator]  # random rows with their own generator
     unseeded: Tensor | None  # [R] int64: random rows drawing from the default generator (mixed case)
     num_logprobs: list[int | None]  # per row, as requested
@@ -85,11 +87,14 @@ class SamplingBatch:
         *,
         device: torch.device | str = "cpu",
         suppress: Iterable[tuple[int, Sequence[int]]] | None = None,
+        vocab_size: int | None = None,
     ) -> SamplingBatch:
-        """Gather per-row parameters into tensors on `device`.
+        """Gather per-row parameters into tensors on `device` (copied from pinned memory without blocking
+        the host, on CUDA).
 
         `suppress`: (row, token ids) pairs masked to -inf for this step, e.g. EOS and stop token ids of
-        rows still under `min_tokens` (see `min_tokens_suppression`). Token ids >= vocab are ignored.
+        rows still under `min_tokens` (see `min_tokens_suppression`). Token ids >= vocab are ignored;
+        given `vocab_size` they are dropped here, on the host, and the sampler needs no device sync.
         """
         params = [r.params for r in rows]
         n = len(rows)
@@ -98,7 +103,7 @@ class SamplingBatch:
         all_greedy = not random_rows
 
         def vec(values: list, dtype: torch.dtype = torch.float32) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         temperature = top_k = top_p = min_p = greedy_mask = unseeded = None
         max_top_k = 0
@@ -133,7 +138,8 @@ class SamplingBatch:
             top_p=top_p,
             min_p=min_p,
             penalties=_build_penalties(rows, device),
-            suppress=_build_suppress(suppress, device),
+            suppress=_build_suppress(suppress, device, vocab_size),
+            suppress_vocab=vocab_size,
             generators=generators,
             unseeded=unseeded,
             num_logprobs=logprobs,
@@ -149,7 +155,7 @@ def _padded(seqs: list[Sequence[int]], device: torch.device | str) -> Tensor:
     if width:
         flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)
         out[torch.arange(width) < lengths[:, None]] = flat
-    return out.to(device)
+    return to_device(out, device)
 
 
 def _build_penalties(rows: Sequence[SamplingRow], device: torch.device | str) -> Penalties | None:
@@ -161,32 +167,35 @@ def _build_penalties(rows: Sequence[SamplingRow], device: torch.device | str) ->
     prompt = None
     if any(x != 1.0 for x in rep):
         prompt = _padded([r.prompt_token_ids if x != 1.0 else () for r, x in zip(rows, rep)], device)
-    f32 = dict(dtype=torch.float32, device=device)
+    factors = torch.tensor(
+        [rep, [r.params.frequency_penalty for r in rows], [r.params.presence_penalty for r in rows]],
+        dtype=torch.float32,
+    )
+    factors = to_device(factors, device)
     return Penalties(
-        repetition=torch.tensor(rep, **f32),
-        frequency=torch.tensor([r.params.frequency_penalty for r in rows], **f32),
-        presence=torch.tensor([r.params.presence_penalty for r in rows], **f32),
+        repetition=factors[0],
+        frequency=factors[1],
+        presence=factors[2],
         output_ids=_padded(output, device),
         prompt_ids=prompt,
     )
 
 
 def _build_suppress(
-    pairs: Iterable[tuple[int, Sequence[int]]] | None, device: torch.device | str
+    pairs: Iterable[tuple[int, Sequence[int]]] | None, device: torch.device | str, vocab_size: int | None
 ) -> tuple[Tensor, Tensor] | None:
     if pairs is None:
         return None
     rows: list[int] = []
     ids: list[int] = []
     for row, token_ids in pairs:
-        rows.extend([row] * len(token_ids))
-        ids.extend(token_ids)
+        kept = [t for t in token_ids if vocab_size is None or t < vocab_size]
+        rows.extend([row] * len(kept))
+        ids.extend(kept)
     if not ids:
         return None
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(ids, dtype=torch.int64, device=device),
-    )
+    both = to_device(torch.tensor([rows, ids], dtype=torch.int64), device)
+    return both[0], both[1]
 
 
 def min_tokens_suppression(rows: Sequence[SamplingRow], eos_token_ids: Iterable[int]) -> list[tuple[int, list[int]]]:
@@ -258,6 +267,17 @@ def _apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` are the same device when 0 is the current one (a generator made for
+    `torch.device("cuda")` may report either)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
     """Exp(1) noise shaped like `probs`: seeded rows from their own generator, V draws each."""
     if not batch.generators:
@@ -268,7 +288,7 @@ def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
         noise[batch.unseeded] = probs.new_empty(len(batch.unseeded), vocab).exponential_()
     host_rows, host_gens = [], []
     for row, gen in batch.generators.items():
-        if gen.device == probs.device:
+        if _same_device(gen.device, probs.device):
             noise[row].exponential_(generator=gen)
         else:
             host_rows.append(row)
@@ -277,7 +297,7 @@ def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
         drawn = torch.empty(len(host_rows), vocab, dtype=probs.dtype)
         for j, gen in enumerate(host_gens):
             drawn[j].exponential_(generator=gen)
-        noise[torch.tensor(host_rows, device=probs.device)] = drawn.to(probs.device)
+        noise[to_device(torch.tensor(host_rows), probs.device)] = to_device(drawn, probs.device)
     return noise
 
 
@@ -303,8 +323,10 @@ class Sampler:
     def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
         if batch.suppress is not None:
             rows, ids = batch.suppress
-            keep = ids < logits.shape[1]
-            logits[rows[keep], ids[keep]] = _NEG_INF
+            if batch.suppress_vocab != logits.shape[1]:  # not filtered on the host (a boolean mask syncs on CUDA)
+                keep = ids < logits.shape[1]
+                rows, ids = rows[keep], ids[keep]
+            logits[rows, ids] = _NEG_INF
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
         if batch.all_greedy:
