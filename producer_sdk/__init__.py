@@ -31,9 +31,10 @@ from producer_sdk.errors import (
 
 if TYPE_CHECKING:
     from producer_sdk.client import AsyncClient, Handle
-    from producer_sdk.protocol import Limits, Message, SamplingParams, Timings, Usage, WorkerState
+    from producer_sdk.protocol import Message, SamplingParams, Timings, Usage, WorkerState
     from producer_sdk.results import Choice, Chunk, Completion, QueueStats
     from producer_sdk.sync import Client, SyncHandle
+    from producer_sdk.validation import Limits
 
 __version__ = "0.1.0"
 
@@ -46,7 +47,7 @@ _LAZY = {
     "Choice": "producer_sdk.results",
     "Completion": "producer_sdk.results",
     "QueueStats": "producer_sdk.results",
-    "Limits": "producer_sdk.protocol",
+    "Limits": "producer_sdk.validation",
     "Message": "producer_sdk.protocol",
     "SamplingParams": "producer_sdk.protocol",
     "Timings": "producer_sdk.protocol",

@@ -15,8 +15,10 @@ import redis.asyncio as aioredis
 import redis.exceptions as rex
 
 from producer_sdk import _core
-from producer_sdk._core import EnqueueResult, HandleState, Prepared
-from producer_sdk._stream import Follower
+from producer_sdk._client_base import ClientBase, HandleState
+from producer_sdk._core import EnqueueResult, Prepared
+from producer_sdk._stats import StatsReader
+from producer_sdk._stream import Follower, outcome
 from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -55,7 +57,7 @@ class Handle(HandleState):
             self._record_failure(e)
             raise
         self._record(f)
-        _core.outcome(f.completion(), partial_ok=partial_ok)
+        outcome(f.completion(), partial_ok=partial_ok)
 
     async def result(
         self, timeout: float | None = None, *, partial_ok: bool = False, cancel_on_timeout: bool = False
@@ -106,7 +108,7 @@ class Handle(HandleState):
             raise _core.lost_on_resubmit(self.request_id, e) from e
 
 
-class AsyncClient(_core.ClientBase):
+class AsyncClient(ClientBase):
     """Producer client of one model namespace (`pagedq:{model}:*`), for asyncio.
 
     ``AsyncClient(redis_url="redis://localhost:6379/0", model="default", *, max_queue_len=None,
@@ -254,7 +256,7 @@ class AsyncClient(_core.ClientBase):
         """Queue length per lane, dead letters, and the live workers with their load."""
 
         async def run() -> QueueStats:
-            s = _core.StatsReader(self.model)
+            s = StatsReader(self.model)
             pipe = self._redis.pipeline(transaction=False)
             s.queue_reads(pipe)
             state_keys = s.after_reads(await pipe.execute())

@@ -73,7 +73,7 @@ class UnsupportedVersion(ProtocolError):
 
 
 class ValidationError(ProtocolError):
-    """Well-formed request whose values break a rule or a limit (see `protocol.Limits`)."""
+    """Well-formed request whose values break a rule or a limit (see `validation.Limits`)."""
 
     code = "invalid"
 

@@ -13,8 +13,10 @@ import redis
 import redis.exceptions as rex
 
 from producer_sdk import _core
-from producer_sdk._core import EnqueueResult, HandleState, Prepared
-from producer_sdk._stream import Follower
+from producer_sdk._client_base import ClientBase, HandleState
+from producer_sdk._core import EnqueueResult, Prepared
+from producer_sdk._stats import StatsReader
+from producer_sdk._stream import Follower, outcome
 from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -41,7 +43,7 @@ class SyncHandle(HandleState):
             self._record_failure(e)
             raise
         self._record(f)
-        _core.outcome(f.completion(), partial_ok=partial_ok)
+        outcome(f.completion(), partial_ok=partial_ok)
 
     def result(
         self, timeout: float | None = None, *, partial_ok: bool = False, cancel_on_timeout: bool = False
@@ -89,7 +91,7 @@ class SyncHandle(HandleState):
             raise _core.lost_on_resubmit(self.request_id, e) from e
 
 
-class Client(_core.ClientBase):
+class Client(ClientBase):
     """Blocking producer client: the arguments, methods and errors of `producer_sdk.AsyncClient`
     (`redis_url` may be a ``redis.Redis``)."""
 
@@ -190,7 +192,7 @@ class Client(_core.ClientBase):
 
     def queue_stats(self) -> QueueStats:
         def run() -> QueueStats:
-            s = _core.StatsReader(self.model)
+            s = StatsReader(self.model)
             pipe = self._redis.pipeline(transaction=False)
             s.queue_reads(pipe)
             state_keys = s.after_reads(pipe.execute())

@@ -22,14 +22,12 @@ from producer_sdk.errors import (
     ValidationError,
 )
 from producer_sdk.protocol import (
-    DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     SAMPLING_FIELDS,
     ControlMessage,
     Error,
     Finished,
     GenerateRequest,
-    Limits,
     Message,
     SamplingParams,
     Started,
@@ -45,8 +43,8 @@ from producer_sdk.protocol import (
     encode_event,
     encode_request,
     lane_for_priority,
-    validate,
 )
+from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate
 
 RID = "req_0123456789abcdef"
 pack = msgspec.msgpack.encode

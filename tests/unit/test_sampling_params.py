@@ -1,5 +1,5 @@
 """One sampling-parameter path: the engine's `SamplingParams` has the wire struct's fields, is built from it
-mechanically, and is checked by the same rule set (`producer_sdk.protocol.sampling_problems`)."""
+mechanically, and is checked by the same rule set (`producer_sdk.validation.sampling_problems`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import msgspec
 import pytest
 
-from producer_sdk import protocol
+from producer_sdk import protocol, validation
 from worker.engine.sampling_params import SamplingParams, SamplingParamsError
 
 ENGINE_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
@@ -95,7 +95,7 @@ def test_a_bad_value_is_refused_naming_the_field(field, value):
         SamplingParams(**{field: value})
     assert isinstance(info.value, ValueError)
     # the same value is refused on the wire, by the same rules
-    wire_problems = dict(protocol.sampling_problems(protocol.SamplingParams(**{field: value}), protocol.Limits()))
+    wire_problems = dict(validation.sampling_problems(protocol.SamplingParams(**{field: value}), validation.Limits()))
     assert field in wire_problems
 
 
@@ -108,11 +108,11 @@ def test_min_tokens_may_not_exceed_max_tokens():
 def test_the_engine_limits_only_bound_what_it_can_run():
     """The service's limits (max_n, max_tokens, stop counts, logprobs) are the service's; offline runs are
     bounded by the engine config (max_logprobs at add_request, max_model_len while generating)."""
-    wire_limits = protocol.Limits()
+    wire_limits = validation.Limits()
     params = SamplingParams(
         n=wire_limits.max_n + 1,
         max_tokens=wire_limits.max_tokens + 1,
         stop=["x"] * (wire_limits.max_stop + 1),
         logprobs=wire_limits.max_logprobs + 1,
     )
-    assert dict(protocol.sampling_problems(params, wire_limits)).keys() == {"n", "max_tokens", "stop", "logprobs"}
+    assert dict(validation.sampling_problems(params, wire_limits)).keys() == {"n", "max_tokens", "stop", "logprobs"}

@@ -2,7 +2,7 @@
 
 The fields are exactly those of the wire struct `producer_sdk.protocol.SamplingParams`, which the
 service turns into these with `SamplingParams.from_wire`, and both are checked by the one rule set
-`producer_sdk.protocol.sampling_problems`, here with limits that only bound what the engine can run
+`producer_sdk.validation.sampling_problems`, here with limits that only bound what the engine can run
 (the service's own limits are stricter; `max_logprobs` is the engine config's, checked at admission).
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from producer_sdk.protocol import Limits, sampling_problems
+from producer_sdk.validation import Limits, sampling_problems
 
 if TYPE_CHECKING:
     from producer_sdk import protocol

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer_sdk.protocol import DEFAULT_LIMITS, Limits
+from producer_sdk.validation import DEFAULT_LIMITS, Limits
 from worker.options import add_cli_args, from_cli_args, option
 
 

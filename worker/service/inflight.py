@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from producer_sdk.constants import REQUEST_ID_PATTERN
 from producer_sdk.contract.keys import ENTRY_ID_FIELD
-from producer_sdk.protocol import REQUEST_ID_PATTERN, GenerateRequest
+from producer_sdk.protocol import GenerateRequest
 
 
 @dataclass
