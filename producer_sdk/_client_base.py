@@ -3,6 +3,7 @@ the constructor (sans-IO)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from producer_sdk._stream import Backoff, Follower, outcome
 from producer_sdk.contract import scripts
 from producer_sdk.contract.connection import client_options
 from producer_sdk.errors import (
+    ModelNotFound,
     RequestFailed,
 )
 from producer_sdk.protocol import (
@@ -21,6 +23,42 @@ from producer_sdk.protocol import (
 )
 from producer_sdk.results import Completion
 from producer_sdk.validation import DEFAULT_LIMITS, Limits
+
+# --- served models --------------------------------------------------------------------------------
+
+MODEL_CHECK_TTL_S = 5.0  # a known model stays known this long without asking Redis again
+
+
+class ServedModel(msgspec.Struct, frozen=True):
+    """A model name workers serve, and when a worker last heartbeated for it."""
+
+    name: str
+    last_seen_ms: int
+
+
+class ModelRegistryView:
+    """The client's cached view of `keys.models()` (sans-IO): is a model name served at all?"""
+
+    def __init__(self) -> None:
+        self.models: list[ServedModel] = []
+        self._read_at = float("-inf")
+
+    def fresh(self, model: str) -> bool:
+        return time.monotonic() - self._read_at < MODEL_CHECK_TTL_S and any(m.name == model for m in self.models)
+
+    def update(self, members: Any) -> list[ServedModel]:
+        self.models = sorted((ServedModel(_text(name), int(score)) for name, score in members), key=lambda m: m.name)
+        self._read_at = time.monotonic()
+        return self.models
+
+    def check(self, model: str) -> None:
+        if not any(m.name == model for m in self.models):
+            raise ModelNotFound(model, [m.name for m in self.models])
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
 
 # --- client options -------------------------------------------------------------------------------
 
@@ -33,6 +71,7 @@ class ClientOptions(msgspec.Struct, kw_only=True):
     reconnect_attempts: int = 10
     reconnect_backoff_max_s: float = 2.0
     resubmit_lost: bool = True
+    check_model: bool = True
     limits: Limits = DEFAULT_LIMITS
 
     def backoff(self) -> Backoff:
@@ -162,6 +201,7 @@ class ClientBase:
         reconnect_attempts: int = 10,
         reconnect_backoff_max_s: float = 2.0,
         resubmit_lost: bool = True,
+        check_model: bool = True,
         limits: Limits = DEFAULT_LIMITS,
         **redis_options: Any,
     ) -> None:
@@ -183,9 +223,11 @@ class ClientBase:
             reconnect_attempts=reconnect_attempts,
             reconnect_backoff_max_s=reconnect_backoff_max_s,
             resubmit_lost=resubmit_lost,
+            check_model=check_model,
             limits=limits,
         )
         self._script = self._redis.register_script(scripts.ENQUEUE)
+        self._models = ModelRegistryView()
 
     @property
     def model(self) -> str:

@@ -15,10 +15,11 @@ import redis.asyncio as aioredis
 import redis.exceptions as rex
 
 from producer_sdk import _core
-from producer_sdk._client_base import ClientBase, HandleState
+from producer_sdk._client_base import ClientBase, HandleState, ServedModel
 from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
+from producer_sdk.contract import keys
 from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -191,6 +192,8 @@ class AsyncClient(ClientBase):
         A full lane raises QueueFull after the others went through (`QueueFull.handles` has them).
         """
         prepared = _core.prepare_many(items, common, self._opts.limits)
+        if prepared:
+            await self._check_model()
 
         async def run() -> list[Any]:
             pipe = self._redis.pipeline(transaction=False)
@@ -269,7 +272,21 @@ class AsyncClient(ClientBase):
 
     # -- internals ---------------------------------------------------------------------------------
 
+    async def served_models(self) -> list[ServedModel]:
+        """The model names workers serve here (from their heartbeats), with when each was last seen."""
+
+        async def run() -> Any:
+            return await self._redis.zrange(keys.models(), 0, -1, withscores=True)
+
+        return self._models.update(await self._retry(run))
+
+    async def _check_model(self) -> None:
+        if self._opts.check_model and not self._models.fresh(self.model):
+            await self.served_models()
+            self._models.check(self.model)
+
     async def _enqueue(self, p: Prepared) -> EnqueueResult:
+        await self._check_model()
         ks, args = self._enqueue_args(p)
 
         async def run() -> Any:

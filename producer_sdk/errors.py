@@ -85,6 +85,21 @@ class PayloadTooLarge(ValidationError):
 # --- client side ----------------------------------------------------------------------------------
 
 
+class ModelNotFound(PagedqError):
+    """No worker has ever served this model name here (a typo, or workers not started yet).
+    `served` lists the names that are served. Clients built with ``check_model=False`` skip the
+    check (for deployments that enqueue before their workers start)."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        names = ", ".join(served) if served else "none yet"
+        super().__init__(
+            f"model {model!r} is not served here (served: {names}); pass check_model=False to enqueue "
+            "for workers that have not started yet"
+        )
+        self.model = model
+        self.served = served
+
+
 class QueueFull(PagedqError):
     """The model's queue (all priority lanes together) holds `length` outstanding requests, at or
     above its `limit`; `lane` is the lane this request was for.
@@ -184,6 +199,7 @@ __all__ = [
     "ConnectionLost",
     "DeadlineExceeded",
     "MalformedPayload",
+    "ModelNotFound",
     "PagedqError",
     "PayloadTooLarge",
     "PermissionDenied",

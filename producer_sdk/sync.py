@@ -13,10 +13,11 @@ import redis
 import redis.exceptions as rex
 
 from producer_sdk import _core
-from producer_sdk._client_base import ClientBase, HandleState
+from producer_sdk._client_base import ClientBase, HandleState, ServedModel
 from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
+from producer_sdk.contract import keys
 from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -141,6 +142,8 @@ class Client(ClientBase):
     def submit_many(self, items: Iterable[str | Mapping[str, Any]], **common: Any) -> list[SyncHandle]:
         """Submit many requests in one pipeline; see `AsyncClient.submit_many`."""
         prepared = _core.prepare_many(items, common, self._opts.limits)
+        if prepared:
+            self._check_model()
 
         def run() -> list[Any]:
             pipe = self._redis.pipeline(transaction=False)
@@ -203,7 +206,17 @@ class Client(ClientBase):
 
         return self._retry(run)
 
+    def served_models(self) -> list[ServedModel]:
+        """The model names workers serve here (from their heartbeats), with when each was last seen."""
+        return self._models.update(self._retry(lambda: self._redis.zrange(keys.models(), 0, -1, withscores=True)))
+
+    def _check_model(self) -> None:
+        if self._opts.check_model and not self._models.fresh(self.model):
+            self.served_models()
+            self._models.check(self.model)
+
     def _enqueue(self, p: Prepared) -> EnqueueResult:
+        self._check_model()
         ks, args = self._enqueue_args(p)
         return _core.parse_enqueue_reply(self._retry(lambda: self._script(keys=ks, args=args), p.request_id), p)
 

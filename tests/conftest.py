@@ -52,15 +52,25 @@ def redis_server():
     server.cleanup()
 
 
+SERVED_MODELS = ("default",)  # the names producers may submit to without a worker having started
+
+
 @pytest.fixture
 def redis_url(redis_server) -> str:
-    """URL of the session server, with an empty database at the start of each test."""
+    """URL of the session server, with an empty database at the start of each test, where the model
+    "default" is already registered as served (as after a worker ran), so producers can enqueue
+    before the test starts its worker."""
+    import time
+
     import redis
+
+    from producer_sdk.contract import keys
 
     if not redis_server.ping():
         redis_server.start()
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
+    client.zadd(keys.models(), {m: int(time.time() * 1000) for m in SERVED_MODELS})
     client.close()
     return redis_server.url
 

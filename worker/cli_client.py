@@ -30,6 +30,12 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority", type=int, default=0, help="> 0 high lane, < 0 low lane")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the whole answer")
     p.add_argument("--json", action="store_true", help="JSON lines: one per chunk, then the completion")
+    p.add_argument(
+        "--no-check-model",
+        dest="check_model",
+        action="store_false",
+        help="enqueue even if no worker has served --model-name yet (default: fail at once, naming the served models)",
+    )
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -54,7 +60,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     else:
         kwargs["prompt"] = args.prompt
     try:
-        with Client(url, model=args.model_name) as client:
+        with Client(url, model=args.model_name, check_model=args.check_model) as client:
             handle = client.submit(**kwargs)
             t0 = time.monotonic()
             first = None

@@ -26,6 +26,12 @@ def lane_stream(model: str, lane: str = "normal") -> str:
     return base if lane == "normal" else f"{base}:{lane}"
 
 
+def models() -> str:
+    """Sorted set of the model names workers serve: name -> last heartbeat (ms). Producers check it
+    before submitting (an unknown name fails at once instead of waiting for a worker that never comes)."""
+    return f"{PREFIX}:models"
+
+
 def group(model: str) -> str:
     """Consumer group of the workers serving `model` (created on every lane stream)."""
     return f"{PREFIX}:{model}:workers"

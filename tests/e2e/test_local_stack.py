@@ -102,6 +102,9 @@ def test_up_submit_stats_and_ctrl_c(llama_dir, tmp_path):
         plain = _cli("submit", "Hi", "--chat", "--max-tokens", "5", env=env)
         assert plain.returncode == 0 and "tokens; ttft" in plain.stderr
 
+        typo = _cli("submit", "Hi", "--model-name", "defualt", "--timeout", "300", env=env)
+        assert typo.returncode == 1 and "ModelNotFound" in typo.stderr and "served: default" in typo.stderr
+
         stats = _cli("stats", "--json", env=env)
         assert stats.returncode == 0, stats.stderr
         info = json.loads(stats.stdout)

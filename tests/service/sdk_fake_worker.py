@@ -93,6 +93,7 @@ class FakeWorker:
 
     async def __aenter__(self) -> FakeWorker:
         await self._ensure_groups()
+        await self.redis.zadd(keys.models(), {self.model: int(time.time() * 1000)})  # as a worker's heartbeat
         self._spawn(self._intake())
         self._spawn(self._listen())
         await asyncio.wait_for(self._subscribed.wait(), 5)

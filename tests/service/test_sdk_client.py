@@ -14,7 +14,9 @@ from sdk_fake_worker import FakeWorker, wait_for
 from producer_sdk import (
     AsyncClient,
     Cancelled,
+    Client,
     DeadlineExceeded,
+    ModelNotFound,
     ProtocolError,
     QueueFull,
     RequestFailed,
@@ -381,7 +383,20 @@ async def test_validation_happens_before_sending(client, admin):
         await client.submit("x", messages=[{"role": "user", "content": "y"}])
     with pytest.raises(TypeError, match="valid: n, max_tokens"):
         await client.submit("x", max_new_tokens=5)
-    assert admin.dbsize() == 0
+    assert admin.keys("pagedq:default:*") == [] and admin.keys("pagedq:req:*") == []
+
+
+async def test_an_unknown_model_fails_at_once_naming_the_served_ones(redis_url, admin):
+    async with AsyncClient(redis_url, "defualt") as typo:
+        with pytest.raises(ModelNotFound) as info:
+            await typo.submit("x")
+        assert info.value.served == ["default"] and "'defualt'" in str(info.value)
+        assert [m.name for m in await typo.served_models()] == ["default"]
+    assert admin.keys("pagedq:defualt:*") == []  # nothing was enqueued
+    with Client(redis_url, "defualt") as typo_sync, pytest.raises(ModelNotFound):
+        typo_sync.submit_many(["x", "y"])
+    async with AsyncClient(redis_url, "not-yet", check_model=False) as early:
+        assert (await early.submit("queued before any worker")).entry_id  # the opt-out enqueues
 
 
 async def test_unknown_request_is_reported_lost(client):

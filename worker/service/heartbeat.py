@@ -25,6 +25,9 @@ from worker.service.metrics import WorkerMetrics
 _CRASH_FILE = os.environ.get("PAGEDQ_FAULT_HEARTBEAT_CRASH_FILE")
 
 
+MODEL_RETENTION_MS = 7 * 86400 * 1000  # a model name no worker served for a week is forgotten
+
+
 class Heartbeat:
     def __init__(
         self,
@@ -88,6 +91,8 @@ class Heartbeat:
         }
         pipe = self.redis.pipeline(transaction=True)
         pipe.zadd(keys.heartbeats(self.model), {self.consumer: state["ts_ms"]})
+        pipe.zadd(keys.models(), {self.model: state["ts_ms"]})
+        pipe.zremrangebyscore(keys.models(), "-inf", state["ts_ms"] - MODEL_RETENTION_MS)
         pipe.set(keys.worker_state(self.model, self.consumer), json.dumps(state), px=int(self.interval_s * 3000))
         if self.max_queue_len:
             pipe.hset(keys.config(self.model), "max_queue_len", self.max_queue_len)
