@@ -175,25 +175,24 @@ def child_main(spec_path: str) -> int:
     while eng.has_unfinished_requests() and time.perf_counter() - t0 < spec["max_seconds"]:
         eng.step()
         steps += 1
-        st = eng.kv.stats()
-        n = len(eng.scheduler.running)
-        running_all.append(n)
-        if len(eng.scheduler.waiting):
-            running_full.append(n)
-        if st.used_blocks:
-            waste.append(st.waste)
-            usage.append(st.usage)
+        snap = eng.snapshot()
+        running_all.append(snap.running)
+        if snap.waiting:
+            running_full.append(snap.running)
+        if snap.num_free_kv_blocks < snap.num_kv_blocks:
+            waste.append(snap.kv_waste)  # the engine refreshes waste at most twice a second
+            usage.append(snap.kv_usage)
     result = {
         "steps": steps,
         "seconds": time.perf_counter() - t0,
         "finished_all": not eng.has_unfinished_requests(),
-        "kv_blocks": eng.kv.num_blocks,
+        "kv_blocks": eng.limits.num_kv_blocks,
         "running_when_full": dist(running_full or running_all),
         "running_peak": max(running_all, default=0),
-        "preemptions": eng.stats.num_preemptions,
+        "preemptions": eng.snapshot().num_preemptions,
         "waste": dist(waste),
         "usage": dist(usage),
-        "generation_tokens": eng.stats.generation_tokens,
+        "generation_tokens": eng.snapshot().generation_tokens,
     }
     Path(spec["out"]).write_text(json.dumps(result))
     return 0

@@ -108,10 +108,11 @@ def _pagedq_runner(spec: dict):
 
     def extra() -> dict:
         eng = llm.engine
+        snap = eng.snapshot()
         return {
-            "kv_blocks": eng.kv.num_blocks,
-            "steps": eng.stats.steps,
-            "preemptions": eng.stats.num_preemptions,
+            "kv_blocks": eng.limits.num_kv_blocks,
+            "steps": snap.steps,
+            "preemptions": snap.num_preemptions,
             "max_num_batched_tokens": eng.limits.max_num_batched_tokens,
             "chunked_prefill": eng.config.enable_chunked_prefill,
         }
