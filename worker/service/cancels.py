@@ -22,6 +22,7 @@ from worker.service.logging import get_logger
 from worker.service.retry import Backoff
 
 REMEMBERED = 10_000
+LISTEN_POLL_S = 1.0
 
 
 class Cancels:
@@ -52,8 +53,10 @@ class Cancels:
                 await pubsub.subscribe(keys.control_channel(self.model))
                 await self.sweep()
                 backoff.reset()
-                async for message in pubsub.listen():
-                    self._on_message(message.get("data"))
+                while True:  # short reads: an idle channel must not look like a dead connection
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=LISTEN_POLL_S)
+                    if message is not None:
+                        self._on_message(message.get("data"))
             except Exception as e:
                 if not is_transient(e):
                     raise
