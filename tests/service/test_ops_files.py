@@ -471,7 +471,7 @@ def test_dockerfile_and_dockerignore():
     assert re.search(r'^ENTRYPOINT \["pagedq"\]$', text, re.M)
     assert re.search(r'^CMD \["worker"\]$', text, re.M)
     healthcheck = re.search(r"^HEALTHCHECK (?:[^\n]*\\\n)*[^\n]*", text, re.M)
-    assert healthcheck and "/metrics" in healthcheck.group(0) and "9400" in healthcheck.group(0)
+    assert healthcheck and "/health" in healthcheck.group(0) and "9400" in healthcheck.group(0)
 
     ignored = {line.strip() for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()}
     assert {".git", ".venv"} <= ignored
