@@ -83,3 +83,20 @@ def test_capacity_counts_sequences_not_requests(llama_dir, redis_url):
     finally:
         a.stop()
         b.stop()
+
+
+def test_backlog_metrics_for_autoscaling(llama_dir, redis_url):
+    """Requests no worker has taken yet show as consumer-group lag and as the age of the oldest one."""
+    w = WorkerProc(llama_dir, redis_url, "--max-num-seqs", "1", env={"PAGEDQ_FAULT_STEP_DELAY_S": "0.05"}).start()
+    try:
+        with Client(redis_url) as client:
+            handles = client.submit_many(["x"] * 6, max_tokens=40, ignore_eos=True)
+            lag = wait_until(lambda: w.metric("pagedq_queue_lag", lane="normal"), what="lag to show")
+            assert 1 <= lag <= 6
+            assert wait_until(lambda: w.metric("pagedq_queue_oldest_waiting_seconds", lane="normal") > 0, what="age")
+            for h in handles:
+                h.result(timeout=120)
+        wait_until(lambda: w.metric("pagedq_queue_lag", lane="normal") == 0, what="lag to drain")
+        assert w.metric("pagedq_queue_oldest_waiting_seconds", lane="normal") == 0
+    finally:
+        w.stop()

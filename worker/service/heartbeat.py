@@ -102,8 +102,37 @@ class Heartbeat:
         m = self.metrics
         for lane, length in zip(keys.LANES, replies[-len(keys.LANES) :], strict=True):
             m.labels(m.queue_length, lane=lane).set(length)
+        await self._backlog()
         self.state = state
         self.last_ok = time.monotonic()
+
+    async def _backlog(self) -> None:
+        """The autoscaling signal: per lane, entries no worker has taken yet and how long the oldest
+        of them has waited (from its stream id, which is its enqueue time in ms)."""
+        lanes = [keys.lane_stream(self.model, lane) for lane in keys.LANES]
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in lanes:
+            pipe.xinfo_groups(stream)
+        groups = await pipe.execute(raise_on_error=False)
+        group = keys.group(self.model).encode()
+        waiting = []
+        for stream, info in zip(lanes, groups, strict=True):
+            mine = next((g for g in info if g.get("name") == group), None) if isinstance(info, list) else None
+            waiting.append((stream, mine))
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, g in waiting:
+            after = g["last-delivered-id"] if g else b"0-0"
+            pipe.xrange(stream, min=b"(" + _b(after), count=1)
+        firsts = await pipe.execute(raise_on_error=False)
+        now_ms = time.time() * 1000
+        m = self.metrics
+        for lane, (_, g), first in zip(keys.LANES, waiting, firsts, strict=True):
+            lag = g.get("lag") if g else None
+            m.labels(m.queue_lag, lane=lane).set(lag if isinstance(lag, int) else 0)
+            oldest = 0.0
+            if isinstance(first, list) and first:
+                oldest = max(0.0, (now_ms - int(_b(first[0][0]).split(b"-")[0])) / 1000)
+            m.labels(m.queue_oldest_age, lane=lane).set(oldest)
 
     async def leave(self) -> None:
         await self.redis.zrem(keys.heartbeats(self.model), self.consumer)
@@ -123,6 +152,10 @@ class Heartbeat:
             prefix_hit_rate=f"{hit:.1%}",
             preemptions=snap.num_preemptions,
         )
+
+
+def _b(x) -> bytes:
+    return x if isinstance(x, bytes) else str(x).encode()
 
 
 def _items(finished):

@@ -57,6 +57,14 @@ class WorkerMetrics:
         self.queue_length = gauge(
             "pagedq_queue_length", "Entries outstanding in a Redis request lane (queued + in flight)", [*m, "lane"]
         )
+        self.queue_lag = gauge(
+            "pagedq_queue_lag", "Entries in a lane no worker has taken yet (consumer-group lag)", [*m, "lane"]
+        )
+        self.queue_oldest_age = gauge(
+            "pagedq_queue_oldest_waiting_seconds",
+            "Age of the oldest entry in a lane that no worker has taken yet (0 when none waits)",
+            [*m, "lane"],
+        )
         self.kv_usage = gauge("pagedq_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
         self.kv_waste = gauge("pagedq_kv_cache_waste_perc", "Allocated KV slots holding no live token (0-1)")
         self.prefix_queries = counter("pagedq_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
