@@ -35,11 +35,11 @@ import msgspec
 import redis
 from redis.exceptions import ResponseError
 
+from producer_sdk.constants import REQUEST_ID_PATTERN
 from producer_sdk.contract import keys
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, EVENT_FIELD
 from producer_sdk.errors import ProtocolError
 from producer_sdk.protocol import (
-    REQUEST_ID_PATTERN,
     Error,
     Finished,
     GenerateRequest,
