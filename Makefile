@@ -15,7 +15,7 @@ REDIS_NEWEST_DIR := $(VENV)/redis-newest
 NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_resume.py tests/service/test_sdk_sync.py \
 	tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py tests/service/test_worker_service.py
 
-.PHONY: setup test demo bench lint chaos soak clean redis-server
+.PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server
 
 setup: $(STAMP) redis-server
 
@@ -39,10 +39,14 @@ redis-server:
 	    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server not found: install it (sudo apt-get install redis-server) and rerun"; exit 1; fi; }
 
+# GPU tests (pytest -m gpu) need CUDA and real Triton kernels: `make test-gpu` on a GPU machine.
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 	@echo "--- again with the newest redis-py ($(REDIS_PY_NEWEST)): the SDK and the service"
 	PYTHONPATH=$(REDIS_NEWEST_DIR) $(PY) -m pytest -q -p no:cacheprovider -k "not arq" $(NEWEST_REDIS_TESTS)
+
+test-gpu: setup
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu tests/kernels tests/gpu
 
 demo: setup
 	$(PY) -m worker.demo
