@@ -177,6 +177,7 @@ def _orphans(url: str) -> list[str]:
         keys.dead_letters("default"),
         keys.config("default"),
         keys.heartbeats("default"),
+        keys.models(),  # the registry of served model names (bounded: one member per model)
     }
     left = []
     for k in r.scan_iter("*"):

@@ -231,7 +231,7 @@ def test_long_stream_cancelled_after_reclaim_keeps_its_head(llama_dir, aof_redis
     admin.xgroup_create(keys.lane_stream("default"), keys.group("default"), id="0", mkstream=True)
 
     async def submit():
-        async with AsyncClient(url) as client:
+        async with AsyncClient(url, check_model=False) as client:  # no worker has run yet
             await client.submit(prompt_token_ids=[5, 6, 7], request_id=rid, max_tokens=10_000, ignore_eos=True)
 
     asyncio.run(submit())

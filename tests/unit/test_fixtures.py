@@ -11,6 +11,7 @@ import pytest
 import redis
 import torch
 
+from producer_sdk.contract import keys
 from worker.models.tiny import FAMILIES
 
 
@@ -30,8 +31,9 @@ def test_redis_fixture_serves_streams_and_survives_a_restart(redis_server, redis
 
 
 def test_redis_url_starts_empty(redis_url):
+    """Empty but for the registry that says model "default" is served (producers may enqueue for it)."""
     r = redis.Redis.from_url(redis_url)
-    assert r.dbsize() == 0
+    assert r.keys("*") == [keys.models().encode()] and r.zrange(keys.models(), 0, -1) == [b"default"]
     r.set("left-behind", 1)  # the next test must not see it
     r.close()
 
