@@ -45,16 +45,17 @@ class EngineConfig:
     long_prefill_token_threshold: int = _opt(
         0,
         "a prompt with more tokens than this to compute is long; no prompt chunk is longer "
-        "(0: 4%% of --max-model-len with chunked prefill, as vLLM)",
+        "(0: 4%% of --max-model-len on CPU, where chunks were measured; no cap on GPU)",
     )
     max_num_partial_prefills: int = _opt(1, "prompts that may be part-way through a chunked prefill at once")
     max_long_partial_prefills: int | None = _opt(
         None, "long prompts among them (default: --max-num-partial-prefills); fewer keeps slots for short ones"
     )
-    long_prefill_budget: int = _opt(
-        32,
+    long_prefill_budget: int | None = _opt(
+        None,
         "while sequences decode, cost in tokens of one step's long-prompt chunks, a token at position p "
-        "costing 1 + p/K (K: the context where attention costs as much as the linear layers); 0: no limit",
+        "costing 1 + p/K (K: the context where attention costs as much as the linear layers); "
+        "0: no limit (default: 32 on CPU, where it was measured; 0 on GPU)",
     )
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
     max_logprobs: int = _opt(20, "most top logprobs a request may ask for")
@@ -94,7 +95,7 @@ class EngineConfig:
             1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills
         ):
             raise bad("max_long_partial_prefills", "must be at least 1 and at most --max-num-partial-prefills")
-        if self.long_prefill_budget < 0:
+        if self.long_prefill_budget is not None and self.long_prefill_budget < 0:
             raise bad("long_prefill_budget", "must be >= 0")
 
     # --- command line ----------------------------------------------------------------------

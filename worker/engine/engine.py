@@ -51,7 +51,10 @@ class LLMEngine:
             raise ValueError(f"--max-model-len={cfg.max_model_len} exceeds the model's limit of {model_limit}")
         chunked = cfg.enable_chunked_prefill
         budget = cfg.max_num_batched_tokens or (2048 if chunked else self.max_model_len)
-        threshold = cfg.long_prefill_token_threshold or (max(1, self.max_model_len * 4 // 100) if chunked else 0)
+        # Chunk sizing defaults measured on CPU (ops/bench serve --long-prompt-only); GPU keeps vLLM's.
+        on_cpu = chunked and loaded.device.type == "cpu"
+        threshold = cfg.long_prefill_token_threshold or (max(1, self.max_model_len * 4 // 100) if on_cpu else 0)
+        long_budget = cfg.long_prefill_budget if cfg.long_prefill_budget is not None else (32 if on_cpu else 0)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=budget,
@@ -61,7 +64,7 @@ class LLMEngine:
             long_prefill_token_threshold=threshold,
             max_num_partial_prefills=cfg.max_num_partial_prefills,
             max_long_partial_prefills=cfg.max_long_partial_prefills or cfg.max_num_partial_prefills,
-            long_prefill_budget=cfg.long_prefill_budget,
+            long_prefill_budget=long_budget,
             attention_cost_context=attention_cost_context(loaded.config),
         )
         self.eos_token_ids = find_eos_token_ids(loaded.tokenizer_path, loaded.config, self.tokenizer)
