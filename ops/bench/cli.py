@@ -119,7 +119,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="chunked pagedq worker: --long-prefill-token-threshold (default: the engine's); "
         "other engine options go through --engine-arg",
     )
-    s.add_argument("--long-requests", type=int, default=None, help="requests of the long-prompt run (32; quick 16)")
+    s.add_argument(
+        "--long-requests", type=int, default=None, help="requests of the long-prompt run (32; quick 16; 0: no such run)"
+    )
     s.add_argument(
         "--long-prompt-only",
         action="store_true",

@@ -108,7 +108,7 @@ def plan_units(args: argparse.Namespace) -> int:
     n = 0
     for s in systems_run(args):
         n += 1 + (0 if args.long_prompt_only else sat_repeats(s, args) + len(args.rates))  # start, saturation, rates
-        n += 2 if s.startswith("pagedq") else 0
+        n += 2 if s.startswith("pagedq") and args.long_requests else 0
     return n
 
 
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
                     summary = summarize(res, args.slo_ttft, args.slo_tpot, keep_samples=True)
                     entry["sweep"].append({"fraction": frac, "rate_req_s": rate, **summary})
                     progress.done(note=f"p50 TTFT {summary['ttft_s']['p50']:.2f}s")
-                if system.startswith("pagedq"):
+                if system.startswith("pagedq") and args.long_requests:
                     progress.start(f"serve {system}: long prompts")
                     entry["long_prompt"] = long_prompt_run(server.url, ns, long_wl, args)
                     progress.done(2, note=f"ITL p99 x{entry['long_prompt']['p99_ratio_during']:.1f}")
