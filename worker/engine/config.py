@@ -117,7 +117,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     policy: str
-    long_prefill_token_threshold: int  # resolved: 0 only without chunked prefill or when asked for
+    long_prefill_token_threshold: int  # resolved by the engine; 0: no prompt is long, chunks are not capped
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_budget: int = 0  # 0: long chunks are not sized by cost
