@@ -115,11 +115,19 @@ def add_options(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--chunk-cap",
         type=int,
-        default=64,
-        help="chunked pagedq worker: most prompt tokens of one request per step "
-        "(--long-prefill-token-threshold); bounds the stall long prompts cause",
+        default=None,
+        help="chunked pagedq worker: --long-prefill-token-threshold (default: the engine's); "
+        "other engine options go through --engine-arg",
     )
-    s.add_argument("--long-requests", type=int, default=None, help="requests of the long-prompt run (32; quick 8)")
+    s.add_argument(
+        "--long-requests", type=int, default=None, help="requests of the long-prompt run (32; quick 16; 0: no such run)"
+    )
+    s.add_argument(
+        "--long-prompt-only",
+        action="store_true",
+        help="only the long-prompt run of the pagedq systems (no saturation, no Poisson sweep): "
+        "tuning the chunking options; write it to its own --out",
+    )
 
     m = p.add_argument_group("memory")
     m.add_argument("--max-model-len", type=int, default=2048, help="what contiguous allocation reserves per request")

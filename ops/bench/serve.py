@@ -2,7 +2,8 @@
 
 Systems (each its own worker process and key namespace, same model, dtype, threads and requests):
 
-    pagedq          `pagedq worker`, chunked prefill on (a prompt gets at most --chunk-cap tokens a step)
+    pagedq          `pagedq worker`, chunked prefill on, the engine's chunking defaults (--chunk-cap sets
+                    --long-prefill-token-threshold; --engine-arg any other option)
     pagedq-nochunk  `pagedq worker --no-enable-chunked-prefill`: prefill-only and decode-only steps
     hf-static       ops/bench/baseline_worker.py: the same protocol, transformers static batches of 16
 
@@ -11,7 +12,7 @@ its requests/s is the saturation rate of the first system, and the Poisson rates
 it, the same absolute rates for every system; (2) one run per rate with Poisson arrivals;
 (3) pagedq systems: the `long-prompt` workload's short chats running together, alone and then with
 its long prompts arriving while they decode: the inter-token latency of the running short requests
-(`long_prompt_run`).
+(`long_prompt_run`). `--long-prompt-only` runs (3) alone.
 
 The client (asyncio, `producer_sdk.AsyncClient`) records when each streamed chunk arrives. TTFT:
 submit to first token. Inter-token latency (ITL): the gaps between chunks of a request (vLLM's
@@ -99,11 +100,15 @@ def sat_repeats(system: str, args: argparse.Namespace) -> int:
     return args.repeats if system == "pagedq" else 1
 
 
+def systems_run(args: argparse.Namespace) -> list[str]:
+    return [s for s in args.systems if s.startswith("pagedq")] if args.long_prompt_only else list(args.systems)
+
+
 def plan_units(args: argparse.Namespace) -> int:
     n = 0
-    for s in args.systems:
-        n += 1 + sat_repeats(s, args) + len(args.rates)  # start + saturation + rates
-        n += 2 if s.startswith("pagedq") else 0
+    for s in systems_run(args):
+        n += 1 + (0 if args.long_prompt_only else sat_repeats(s, args) + len(args.rates))  # start, saturation, rates
+        n += 2 if s.startswith("pagedq") and args.long_requests else 0
     return n
 
 
@@ -130,13 +135,14 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
         "long_prompt_workload": long_wl.describe(),
         "kv_blocks": kv_blocks,
         "chunk_cap": args.chunk_cap,
+        "long_prompt_only": args.long_prompt_only,
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
         "rate_fractions": args.rates,
         "systems": {},
     }
     sat_rate = None
     with RedisProcess() as server:
-        for system in args.systems:
+        for system in systems_run(args):
             ns = f"bench-{system}-{uuid.uuid4().hex[:6]}"
             engine = worker_engine(system, args)
             progress.start(f"serve {system}: starting worker")
@@ -148,6 +154,11 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
                 warm = warmup_requests(vocab)
                 run_load(server.url, ns, warm, [0.0] * len(warm), timeout=args.child_timeout)
                 progress.done()
+                if args.long_prompt_only:
+                    progress.start(f"serve {system}: long prompts")
+                    entry["long_prompt"] = long_prompt_run(server.url, ns, long_wl, args)
+                    progress.done(2, note=f"ITL p99 x{entry['long_prompt']['p99_ratio_during']:.1f}")
+                    continue
                 sat_runs = []
                 for rep in range(sat_repeats(system, args)):
                     progress.start(f"serve {system}: saturation {rep + 1}")
@@ -178,7 +189,7 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
                     summary = summarize(res, args.slo_ttft, args.slo_tpot, keep_samples=True)
                     entry["sweep"].append({"fraction": frac, "rate_req_s": rate, **summary})
                     progress.done(note=f"p50 TTFT {summary['ttft_s']['p50']:.2f}s")
-                if system.startswith("pagedq"):
+                if system.startswith("pagedq") and args.long_requests:
                     progress.start(f"serve {system}: long prompts")
                     entry["long_prompt"] = long_prompt_run(server.url, ns, long_wl, args)
                     progress.done(2, note=f"ITL p99 x{entry['long_prompt']['p99_ratio_during']:.1f}")

@@ -324,7 +324,8 @@ def worker_engine(system: str, args: argparse.Namespace) -> dict:
     sweep and the long-prompt run send the same prompts again, and cache hits would flatter them
     (the offline run, with unique prompts, gets none; the prefix benchmark measures caching)."""
     if system == "pagedq":
-        return {"long_prefill_token_threshold": args.chunk_cap, "enable_prefix_caching": False}
+        cap = {"long_prefill_token_threshold": args.chunk_cap} if args.chunk_cap else {}
+        return {**cap, "enable_prefix_caching": False}
     if system == "pagedq-nochunk":
         return {"enable_chunked_prefill": False, "enable_prefix_caching": False}
     return {}

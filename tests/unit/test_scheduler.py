@@ -8,11 +8,17 @@ import itertools
 
 import pytest
 
-from worker.engine.config import ConfigError, SchedulerConfig
+from worker.engine.config import ConfigError, EngineConfig, SchedulerConfig
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.request import Request, SeqStatus, Sequence
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    affordable_tokens,
+    attention_cost_context,
+    chunk_cost,
+)
 
 BS = 4  # tokens per block: small, so a few tokens cross block boundaries
 
@@ -27,6 +33,9 @@ def make_scheduler(
     policy: str = "fcfs",
     threshold: int = 0,
     partials: int = 1,
+    longs: int | None = None,
+    long_budget: int = 0,
+    context: int = 1024,
     prefix_caching: bool = True,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix_caching, watermark=0.0)
@@ -38,6 +47,9 @@ def make_scheduler(
         policy=policy,
         long_prefill_token_threshold=threshold,
         max_num_partial_prefills=partials,
+        max_long_partial_prefills=longs or partials,  # as EngineConfig resolves it
+        long_prefill_budget=long_budget,
+        attention_cost_context=context,
     )
     return Scheduler(config, kv)
 
@@ -173,6 +185,198 @@ def test_without_chunked_prefill_steps_are_prefill_only_or_decode_only():
 def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt():
     with pytest.raises(ConfigError, match="max-num-batched-tokens"):
         make_scheduler(chunked=False, budget=64, max_model_len=512)
+
+
+def test_decodes_are_scheduled_before_a_higher_ranked_prompt_chunk():
+    sched = make_scheduler(policy="priority", budget=8)
+    add(sched, "a", 3)
+    add(sched, "b", 3)
+    step(sched)
+    add(sched, "long", 40, priority=5)
+    assert shape(step(sched)) == [("a", 1), ("b", 1), ("long", 6)]
+    # long now ranks first among the running, yet the decodes still get their tokens before its chunk
+    assert shape(step(sched)) == [("a", 1), ("b", 1), ("long", 6)]
+    assert [s.request.request_id for s in sched.running] == ["long", "a", "b"]
+
+
+def test_a_prompt_chunk_never_takes_the_blocks_of_a_scheduled_decode():
+    sched = make_scheduler(num_blocks=3, prefix_caching=False, policy="priority", threshold=4)
+    add(sched, "a", 4)
+    step(sched)  # a: 1 block, full
+    long = add(sched, "long", 8, priority=5)
+    assert shape(step(sched)) == [("a", 1), ("long", 4)]  # a's 5th token and long's chunk: all 3 blocks
+    out = step(sched)  # long ranks first now, but a is in the step first; long's next chunk finds no block
+    assert shape(out) == [("a", 1)] and not out.preempted
+    assert long.status == SeqStatus.RUNNING and long.num_computed_tokens == 4  # it waits, blocks kept
+
+
+# --- long and short prompts: max_num_partial_prefills / max_long_partial_prefills ----------------------
+
+
+def test_short_prompts_pass_a_long_one_waiting_for_its_slot():
+    sched = make_scheduler(budget=40, threshold=16, partials=2, longs=1)
+    add(sched, "long1", 100)
+    add(sched, "long2", 100)
+    add(sched, "s1", 12)
+    add(sched, "s2", 14)
+    # long2 waits for the one long slot though a partial slot is free; s1 fits whole (no slot), and s2,
+    # cut by the token budget, takes the second partial slot
+    assert shape(step(sched)) == [("long1", 16), ("s1", 12), ("s2", 12)]
+    assert sched.waiting.peek().request.request_id == "long2" and len(sched.waiting) == 1
+    assert shape(step(sched)) == [("s1", 1), ("long1", 16), ("s2", 2)]
+    assert len(sched.waiting) == 1  # long1 is still part-way: long2 keeps waiting
+
+
+def test_with_one_partial_slot_a_cut_short_prompt_waits_for_it():
+    sched = make_scheduler(budget=40, threshold=16, partials=1)
+    add(sched, "long1", 100)
+    add(sched, "s1", 12)
+    add(sched, "s2", 14)
+    assert shape(step(sched)) == [("long1", 16), ("s1", 12)]  # s2 would be cut: no slot for it
+    assert sched.waiting.peek().request.request_id == "s2"
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_prompt_is_long_by_the_tokens_it_has_left_to_compute(prefix_caching):
+    sched = make_scheduler(budget=64, threshold=16, partials=1, prefix_caching=prefix_caching)
+    a = add(sched, "a", 40)
+    while not a.num_output_tokens:
+        step(sched)
+    sched.finish(a, SeqStatus.FINISHED_STOPPED)
+    add(sched, "holder", 100)  # a long prompt holds the only slot
+    b = add(sched, "b", [*a.token_ids[:36], 901, 902, 903, 904])
+    out = step(sched)
+    if prefix_caching:  # 36 tokens hit: 4 left, a short prompt computed whole beside the long one
+        assert shape(out) == [("holder", 16), ("b", 4)] and not sched.is_long(b)
+    else:  # all 40 to compute: long, and the long slot is taken
+        assert shape(out) == [("holder", 16)] and sched.waiting.peek() is b
+
+
+def test_long_prompts_start_in_arrival_order_as_the_long_slot_frees():
+    sched = make_scheduler(budget=64, threshold=16, partials=2, longs=1)
+    for rid in ("long1", "long2", "long3"):
+        add(sched, rid, 40)
+    started = []
+    for _ in range(12):
+        for s in step(sched).scheduled:
+            rid = s.seq.request.request_id
+            if rid not in started:
+                started.append(rid)
+            assert sum(sched.is_long(r) for r in sched.running) <= 1
+    assert started == ["long1", "long2", "long3"]
+
+
+def test_max_long_partial_prefills_cannot_exceed_max_num_partial_prefills():
+    with pytest.raises(ConfigError, match="max-long-partial-prefills"):
+        make_scheduler(partials=1, longs=2)
+    with pytest.raises(ConfigError, match="max-long-partial-prefills"):
+        EngineConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
+    with pytest.raises(ConfigError, match="long-prefill-budget"):
+        EngineConfig(long_prefill_budget=-1)
+
+
+# --- the attention-cost budget of long chunks ---------------------------------------------------------
+
+
+def test_chunk_cost_counts_each_token_attention_over_its_context():
+    assert chunk_cost(0, 1, 64) == 1  # the first token attends to nothing before it
+    assert chunk_cost(128, 1, 64) == 3  # 1 + 128/64
+    assert chunk_cost(10, 4, 2) == 4 + (10 + 11 + 12 + 13) / 2
+    for position in (0, 1, 7, 100, 3000):
+        for budget in (0.5, 1, 2.5, 16, 100):
+            n = affordable_tokens(position, budget, 64)
+            assert chunk_cost(position, n, 64) <= budget < chunk_cost(position, n + 1, 64)
+
+
+def test_attention_cost_context_of_a_smollm2_shaped_model():
+    from types import SimpleNamespace
+
+    smollm2 = SimpleNamespace(
+        hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, head_dim=64
+    )
+    # per layer 3,538,944 matmul weights over 2 x 9 x 64: 3,072 by FLOPs, a third of it as measured
+    assert attention_cost_context(smollm2) == 1024
+
+
+def test_while_decoding_long_chunks_shrink_as_their_context_grows():
+    sched = make_scheduler(budget=512, threshold=64, long_budget=16, context=64)
+    add(sched, "a", 3)
+    step(sched)
+    long = add(sched, "long", 300)
+    chunks: list[tuple[int, int]] = []
+    while not long.num_output_tokens:
+        position = long.num_computed_tokens
+        out = step(sched)
+        assert ("a", 1) in shape(out)  # the decode is in every step
+        chunks.append((position, dict(shape(out))["long"]))
+    sizes = [n for _, n in chunks]
+    assert sizes[0] == 14  # cost(14 tokens at 0) = 14 + 91/64 <= 16 < cost(15)
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < 5
+    for position, n in chunks[:-1]:  # each the most the budget affords (the last one is what was left)
+        assert chunk_cost(position, n, 64) <= 16 < chunk_cost(position, n + 1, 64)
+    assert sum(sizes) == 300
+
+
+def test_without_decodes_a_long_prompt_gets_full_chunks():
+    sched = make_scheduler(budget=512, threshold=64, long_budget=16, context=64)
+    long = add(sched, "long", 300)
+    sizes = []
+    while not long.num_output_tokens:
+        sizes.append(step(sched).scheduled[0].num_new_tokens)
+    assert sizes == [64, 64, 64, 64, 44]
+
+
+def test_long_chunks_of_one_step_share_the_budget():
+    sched = make_scheduler(budget=512, threshold=16, partials=2, long_budget=40, context=64)
+    add(sched, "a", 3)
+    step(sched)
+    long1 = add(sched, "long1", 200)
+    long2 = add(sched, "long2", 200)
+    for _ in range(6):
+        positions = {s.seq_id: s.num_computed_tokens for s in (long1, long2)}
+        out = step(sched)
+        longs = [s for s in out.scheduled if s.seq in (long1, long2)]
+        costs = [chunk_cost(positions[s.seq.seq_id], s.num_new_tokens, 64) for s in longs]
+        assert len(costs) == 2 and sum(costs) <= 40
+    assert long1.num_computed_tokens > long2.num_computed_tokens > 0  # the first in line gets served first
+
+
+def test_short_prompts_are_not_sized_by_the_cost_budget():
+    sched = make_scheduler(budget=512, threshold=64, long_budget=4, context=64)
+    add(sched, "a", 3)
+    step(sched)
+    add(sched, "short", 60)  # costs 60 + 27.7 tokens, over the budget of 4, but it is not long
+    assert shape(step(sched)) == [("a", 1), ("short", 60)]
+
+
+def test_the_first_long_chunk_of_a_step_always_moves():
+    sched = make_scheduler(budget=512, threshold=16, long_budget=2, context=1)  # past position 1 a token costs > 2
+    add(sched, "a", 3)
+    step(sched)
+    long = add(sched, "long", 30)
+    for k in range(30):
+        assert shape(step(sched)) == [("a", 1), ("long", 1)]
+        assert long.num_computed_tokens == k + 1
+    assert long.num_output_tokens == 1
+
+
+def test_a_stream_of_short_prompts_never_starves_a_long_one():
+    sched = make_scheduler(budget=32, threshold=8, partials=2, longs=1, long_budget=8, context=16)
+    add(sched, "a", 3)
+    step(sched)
+    long = add(sched, "long", 200)
+    for k in range(400):
+        if long.num_output_tokens:
+            break
+        before = long.num_computed_tokens
+        short = add(sched, f"s{k}", 6)
+        step(sched)
+        assert short.num_computed_tokens == 6  # each short prompt starts the step it arrives
+        assert long.num_computed_tokens > before  # and the long one moves on every step
+        for seq in list(sched.running):
+            if seq is not long and seq.request.request_id != "a" and seq.num_output_tokens >= 3:
+                sched.finish(seq, SeqStatus.FINISHED_LENGTH)
+    assert long.num_output_tokens == 1
 
 
 # --- order ---------------------------------------------------------------------------------------

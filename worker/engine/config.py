@@ -42,8 +42,21 @@ class EngineConfig:
     num_kv_blocks: int | None = _opt(None, "exact number of KV blocks (tests and benchmarks)")
     scheduling_policy: str = _opt("fcfs", "fcfs | priority (higher priority first, then arrival)")
     watermark: float = _opt(0.01, "fraction of KV blocks kept free for running sequences at admission")
-    long_prefill_token_threshold: int = _opt(0, "cap on one prompt chunk per step (0: the step budget)")
+    long_prefill_token_threshold: int = _opt(
+        0,
+        "a prompt with more tokens than this to compute is long; no prompt chunk is longer "
+        "(0: 4%% of --max-model-len on CPU, where chunks were measured; no cap on GPU)",
+    )
     max_num_partial_prefills: int = _opt(1, "prompts that may be part-way through a chunked prefill at once")
+    max_long_partial_prefills: int | None = _opt(
+        None, "long prompts among them (default: --max-num-partial-prefills); fewer keeps slots for short ones"
+    )
+    long_prefill_budget: int | None = _opt(
+        None,
+        "while sequences decode, cost in tokens of one step's long-prompt chunks, a token at position p "
+        "costing 1 + p/K (K: the context where attention costs as much as the linear layers); "
+        "0: no limit (default: 32 on CPU, where it was measured; 0 on GPU)",
+    )
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
     max_logprobs: int = _opt(20, "most top logprobs a request may ask for")
 
@@ -78,6 +91,12 @@ class EngineConfig:
             raise bad("long_prefill_token_threshold", "must be >= 0")
         if self.max_num_partial_prefills < 1:
             raise bad("max_num_partial_prefills", "must be at least 1")
+        if self.max_long_partial_prefills is not None and not (
+            1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills
+        ):
+            raise bad("max_long_partial_prefills", "must be at least 1 and at most --max-num-partial-prefills")
+        if self.long_prefill_budget is not None and self.long_prefill_budget < 0:
+            raise bad("long_prefill_budget", "must be >= 0")
 
     # --- command line ----------------------------------------------------------------------
 
@@ -98,10 +117,20 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     policy: str
-    long_prefill_token_threshold: int
+    long_prefill_token_threshold: int  # resolved by the engine; 0: no prompt is long, chunks are not capped
     max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_budget: int = 0  # 0: long chunks are not sized by cost
+    attention_cost_context: int = 1024  # scheduler.attention_cost_context(model config)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ConfigError(
+                f"--max-long-partial-prefills={self.max_long_partial_prefills} must be at least 1 and at most "
+                f"--max-num-partial-prefills={self.max_num_partial_prefills}"
+            )
+        if self.attention_cost_context < 1:
+            raise ConfigError(f"attention_cost_context={self.attention_cost_context}: must be at least 1")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"--max-num-batched-tokens={self.max_num_batched_tokens} is below --max-model-len="

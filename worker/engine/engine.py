@@ -30,7 +30,7 @@ from worker.engine.outputs import RequestOutput
 from worker.engine.request import Request, SeqStatus, Sequence
 from worker.engine.sampler import SamplerOutput
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import Scheduler, SchedulerOutput, attention_cost_context
 from worker.engine.stats import EngineLimits, EngineSnapshot, EngineStats, SnapshotMaker
 from worker.models.loader import load_model, load_tokenizer
 
@@ -51,14 +51,21 @@ class LLMEngine:
             raise ValueError(f"--max-model-len={cfg.max_model_len} exceeds the model's limit of {model_limit}")
         chunked = cfg.enable_chunked_prefill
         budget = cfg.max_num_batched_tokens or (2048 if chunked else self.max_model_len)
+        # Chunk sizing defaults measured on CPU (ops/bench serve --long-prompt-only); GPU keeps vLLM's.
+        on_cpu = chunked and loaded.device.type == "cpu"
+        threshold = cfg.long_prefill_token_threshold or (max(1, self.max_model_len * 4 // 100) if on_cpu else 0)
+        long_budget = cfg.long_prefill_budget if cfg.long_prefill_budget is not None else (32 if on_cpu else 0)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=chunked,
             policy=cfg.scheduling_policy,
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            long_prefill_token_threshold=threshold,
             max_num_partial_prefills=cfg.max_num_partial_prefills,
+            max_long_partial_prefills=cfg.max_long_partial_prefills or cfg.max_num_partial_prefills,
+            long_prefill_budget=long_budget,
+            attention_cost_context=attention_cost_context(loaded.config),
         )
         self.eos_token_ids = find_eos_token_ids(loaded.tokenizer_path, loaded.config, self.tokenizer)
         self.runner = ModelRunner(

@@ -1,25 +1,43 @@
 """Iteration-level scheduler: which sequences run in the next forward, and how many tokens each.
 
-Called once per engine step. One token budget (`max_num_batched_tokens`) and at most
-`max_num_seqs` running sequences. With chunked prefill, running sequences go first (a decode costs
-one token, a partially computed prompt gets its next chunk), then new sequences in policy order, so
-decodes never wait behind a long prompt. Without it, a step is either prefill-only (whole prompts)
-or decode-only, the classic alternative. When the KV pool runs dry, the lowest-priority, latest
-sequence is preempted by recompute: its blocks are freed (their prefix-cache names survive) and it
-rejoins the front of the waiting queue.
+Called once per engine step. One token budget (`max_num_batched_tokens`) and at most `max_num_seqs`
+running sequences. With chunked prefill a step is built in three passes: running decodes (one token
+each, so a decode never waits behind a prompt), then the next chunks of prompts part-way through, then
+new sequences in policy order. Without it, a step is either prefill-only (whole prompts) or
+decode-only, the classic alternative. When the KV pool runs dry, the lowest-priority, latest sequence
+is preempted by recompute: its blocks are freed (their prefix-cache names survive) and it rejoins the
+front of the waiting queue.
+
+Prompt chunks, with chunked prefill (vLLM's option names):
+- A prompt with more than `long_prefill_token_threshold` tokens to compute when it is admitted is
+  long. No chunk is longer than the threshold.
+- After a step at most `max_num_partial_prefills` prompts are part-way through, at most
+  `max_long_partial_prefills` of them long. A prompt computed whole in one step takes no slot, so short
+  prompts never queue behind chunked long ones; a prompt waiting for a slot keeps its place at the
+  head of the queue while the ones behind it that fit pass.
+- In a step that carries decodes, the chunks of long prompts cost at most `long_prefill_budget`
+  tokens, a prompt token at position p costing 1 + p / `attention_cost_context` (its linear layers
+  plus its attention over the p keys before it). A chunk shrinks as its context grows, so the stall it
+  adds to every decode stays about the same from a long prompt's first chunk to its last. The first
+  long chunk of a step always gets at least one token: a long prompt is never starved.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from worker.engine.config import SchedulerConfig
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.request import SeqStatus, Sequence
+
+# Paged prefill attention ran about this many times slower per FLOP than the matmuls (CPU, fp32).
+ATTENTION_SLOWDOWN = 3
 
 
 @dataclass
@@ -106,12 +124,59 @@ class WaitQueue:
         return len(self._heap) if self.policy == "priority" else len(self._fifo)
 
 
+def chunk_cost(position: int, n: int, context: int) -> float:
+    """Cost, in tokens, of computing prompt tokens `position .. position + n - 1`: each costs its linear
+    layers (1) plus its attention over the keys before it (`q / context` for the token at position q)."""
+    return n + (n * position + n * (n - 1) / 2) / context
+
+
+def affordable_tokens(position: int, budget: float, context: int) -> int:
+    """The most prompt tokens from `position` on whose `chunk_cost` fits `budget`."""
+    if budget < 1:
+        return 0
+    b = 1 + (position - 0.5) / context  # cost(n) = n^2 / (2 context) + b n
+    n = int(context * (math.sqrt(b * b + 2 * budget / context) - b))
+    while chunk_cost(position, n + 1, context) <= budget:
+        n += 1
+    while n > 0 and chunk_cost(position, n, context) > budget:
+        n -= 1
+    return n
+
+
+def attention_cost_context(hf_config: Any) -> int:
+    """`SchedulerConfig.attention_cost_context` of a Llama-shaped model: the context at which one token's
+    attention costs as much as its linear layers. By FLOPs that is the matmul parameters of a layer over
+    2 x heads x head_dim (QK^T and PV, 2 FLOPs a multiply-add); measured on the CPU (SmolLM2, fp32,
+    chunks of 16-64 tokens at positions up to 3,072), paged prefill attention runs at about a third of
+    the matmul rate, hence the division by ATTENTION_SLOWDOWN."""
+    if not all(hasattr(hf_config, k) for k in ("hidden_size", "num_attention_heads", "intermediate_size")):
+        return 1024  # not Llama-shaped: SmolLM2's figure
+    hidden = int(hf_config.hidden_size)
+    heads = int(hf_config.num_attention_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    inter = int(hf_config.intermediate_size)
+    layer_params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
+    return max(64, round(layer_params / (2 * heads * head_dim) / ATTENTION_SLOWDOWN))
+
+
+@dataclass
+class _Step:
+    """What is left of one step's budgets while the step is built."""
+
+    tokens: int
+    long_cost: float = math.inf  # cost left for long-prompt chunks (finite once decodes are in the step)
+    long_chunks: int = 0
+    scheduled: set[str] = field(default_factory=set)  # seq ids in the step
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
         self.waiting = WaitQueue(config.policy)
         self.running: list[Sequence] = []
+        self._long: set[str] = set()  # running sequences admitted as long prompts, prompt not yet computed
 
     # --- membership --------------------------------------------------------------------------
 
@@ -131,74 +196,104 @@ class Scheduler:
         elif not seq.status.finished:
             self.waiting.remove(seq)
         seq.status = status
+        self._long.discard(seq.seq_id)
         self.kv.free(seq.seq_id)
+
+    def is_long(self, seq: Sequence) -> bool:
+        """`seq` was admitted as a long prompt and is still being prefilled."""
+        return seq.seq_id in self._long and _left(seq) > 1
 
     # --- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        cfg = self.config
         out = SchedulerOutput()
         # Victims of preemption are taken from the end: lowest priority, latest arrival.
-        self.running.sort(key=lambda s: (*s.request.sort_key(self.config.policy), s.index))
+        self.running.sort(key=lambda s: (*s.request.sort_key(cfg.policy), s.index))
+        self._long &= {s.seq_id for s in self.running if _left(s) > 1}
         # An isolated (suspect) request shares its steps with nobody.
         isolated = any(s.request.isolated for s in self.running)
-        if self.config.enable_chunked_prefill:
-            budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        step = _Step(cfg.max_num_batched_tokens)
+        if cfg.enable_chunked_prefill:
+            self._schedule_running(out, step, decodes=True)
+            if out.scheduled and cfg.long_prefill_budget:
+                step.long_cost = cfg.long_prefill_budget  # decodes are in: long chunks must not stall them
+            self._schedule_running(out, step, decodes=False)
             if not out.preempted and not isolated:
-                self._schedule_waiting(out, budget)
+                self._schedule_waiting(out, step)
         else:
             # Prefill-only step when a new prompt can be admitted, decode-only step otherwise.
             if not isolated:
-                self._schedule_waiting(out, self.config.max_num_batched_tokens)
+                self._schedule_waiting(out, step)
             if out.is_empty:
-                self._schedule_running(out, self.config.max_num_batched_tokens)
+                self._schedule_running(out, step, decodes=True)
         # One-token queries first: the attention kernels' decode fast path takes a prefix of the batch.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.num_decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         out.block_copies = self.kv.take_copies()
         return out
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        cap = self.config.long_prefill_token_threshold
-        return min(n, cap) if cap and self.config.enable_chunked_prefill else n
-
-    def _partial(self, seq: Sequence, n: int) -> bool:
-        """This chunk leaves the sequence's prompt unfinished: it is a partial (chunked) prefill."""
-        return seq.num_computed_tokens + n < seq.num_tokens
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        partials = 0
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._chunk(seq, budget)
-            if self._partial(seq, n):
-                # Long prompts take turns: each one's chunk attends to its whole context, so several
-                # at once would multiply the stall every running decode sees.
-                if partials >= self.config.max_num_partial_prefills:
-                    i += 1
-                    continue
-                partials += 1
-            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                self._schedule(out, seq, n)
-                budget -= n
-                i += 1
-        return budget
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _chunk(self, seq: Sequence, left: int, step: _Step, long: bool) -> int:
+        """Tokens of `seq`'s prompt (`left` still to compute) that go into this step."""
         cfg = self.config
-        deferred: list[Sequence] = []  # long prompts waiting for their turn; shorter ones may pass
-        partials = sum(self._partial(s.seq, s.num_new_tokens) for s in out.scheduled)
+        n = min(left, step.tokens)
+        if not cfg.enable_chunked_prefill:
+            return n
+        if cfg.long_prefill_token_threshold:
+            n = min(n, cfg.long_prefill_token_threshold)
+        if long and step.long_cost < math.inf:
+            fit = affordable_tokens(seq.num_computed_tokens, step.long_cost, cfg.attention_cost_context)
+            n = min(n, fit if fit or step.long_chunks else 1)  # the first long chunk always moves on
+        return n
+
+    def _schedule_running(self, out: SchedulerOutput, step: _Step, *, decodes: bool) -> None:
+        """Decodes (`decodes`), or the next chunks of prompts part-way through, in running order."""
+        i = 0
+        while i < len(self.running) and step.tokens > 0:
+            seq = self.running[i]
+            left = _left(seq)
+            if (left == 1) != decodes or seq.seq_id in step.scheduled:
+                i += 1
+                continue
+            n = 1 if decodes else self._chunk(seq, left, step, self.is_long(seq))
+            if n == 0:
+                i += 1
+                continue
+            if self._grow(seq, n, i, step, out, decode=decodes):
+                self._schedule(out, step, seq, n)
+                i += 1
+            elif seq.status == SeqStatus.RUNNING:  # not preempted: its chunk waits for blocks
+                i += 1
+
+    def _grow(self, seq: Sequence, n: int, i: int, step: _Step, out: SchedulerOutput, *, decode: bool) -> bool:
+        """Blocks for `n` more tokens of `seq` (`self.running[i]`), preempting the lowest-ranked sequences
+        not yet in this step. When only `seq` is left: a decode is preempted itself, a prompt chunk waits
+        for a later step if the step already holds others (it never takes a scheduled decode's blocks)."""
+        while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
+            victim = next(s for s in reversed(self.running[i:]) if s.seq_id not in step.scheduled)
+            if victim is seq and not decode and step.scheduled:
+                return False
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _prefill_slots(self, out: SchedulerOutput) -> tuple[int, int]:
+        """Running prompts part-way through after this step's chunks, and how many of them are long."""
+        new = {s.seq.seq_id: s.num_new_tokens for s in out.scheduled}
+        partial = [s for s in self.running if _left(s) > 1 and _left(s) > new.get(s.seq_id, 0)]
+        return len(partial), sum(self.is_long(s) for s in partial)
+
+    def _schedule_waiting(self, out: SchedulerOutput, step: _Step) -> None:
+        cfg = self.config
+        deferred: list[Sequence] = []  # prompts waiting for a prefill slot; the ones behind them may pass
+        partials, longs = self._prefill_slots(out)
         # A request with n samples holds n seats from admission on, though it forks only once its prompt is in.
         seats_taken = len(self.running) + sum(
             s.request.sampling_params.n - 1 for s in self.running if not s.request.forked
         )
-        while len(self.waiting) and budget > 0:
+        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        while len(self.waiting) and step.tokens > 0:
             seq = self.waiting.peek()
             if seq.request.isolated and (self.running or out.scheduled):
                 break
@@ -208,13 +303,18 @@ class Scheduler:
             salt = seq.request.cache_salt
             hits = self.kv.match_prefix(seq.token_ids, salt)
             num_cached = len(hits) * self.kv.block_size
-            remaining = seq.num_tokens - num_cached
-            if not cfg.enable_chunked_prefill and remaining > budget:
+            left = seq.num_tokens - num_cached
+            if not cfg.enable_chunked_prefill and left > step.tokens:
                 break
+            long = 0 < threshold < left
             seq.num_computed_tokens = num_cached
-            n = self._chunk(seq, budget)
-            partial = self._partial(seq, n)  # never without chunked prefill: the whole rest fits
-            if partial and partials >= cfg.max_num_partial_prefills:
+            n = self._chunk(seq, left, step, long)
+            partial = n < left  # never without chunked prefill: the whole rest fits
+            if (
+                not n
+                or (long and longs >= cfg.max_long_partial_prefills)
+                or (partial and partials >= cfg.max_num_partial_prefills)
+            ):
                 seq.num_computed_tokens = 0
                 deferred.append(self.waiting.pop())
                 continue
@@ -229,23 +329,36 @@ class Scheduler:
             self.kv.record_prefix_query(seq.num_tokens, num_cached)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            self._schedule(out, seq, n)
+            if long:
+                self._long.add(seq.seq_id)
+            self._schedule(out, step, seq, n)
             seats_taken += seats
-            budget -= n
             partials += partial
+            longs += long
             if seq.request.isolated:
                 break
         for seq in reversed(deferred):  # back at the front, in their order
             self.waiting.push_front(seq)
 
-    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _schedule(self, out: SchedulerOutput, step: _Step, seq: Sequence, n: int) -> None:
         out.scheduled.append(ScheduledSeq(seq, n, list(self.kv.block_table(seq.seq_id))))
+        step.tokens -= n
+        step.scheduled.add(seq.seq_id)
+        if self.is_long(seq):
+            step.long_cost -= chunk_cost(seq.num_computed_tokens, n, self.config.attention_cost_context)
+            step.long_chunks += 1
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        self._long.discard(seq.seq_id)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.request.metrics.num_preemptions += 1
         self.waiting.push_front(seq)
         out.preempted.append(seq)
+
+
+def _left(seq: Sequence) -> int:
+    """Tokens of `seq` not in the KV cache yet: 1 for a decode, more for a prompt part-way through."""
+    return seq.num_tokens - seq.num_computed_tokens
