@@ -149,7 +149,12 @@ def _serve_section(srv: dict) -> list[str]:
             f"once; while they decode, {lw.get('long_prompts')} prompt(s) of up to "
             f"{lw.get('prompt_len_min_mean_max', [0])[-1]} tokens arrive. Inter-token latency of the running "
             f"short requests (ms): steady state without long prompts vs gaps overlapping a long prompt's "
-            f"prefill. Chunked worker: a prompt takes at most {srv.get('chunk_cap')} tokens of a step.",
+            "prefill. Chunked worker: "
+            + (
+                f"a prompt takes at most {srv['chunk_cap']} tokens of a step."
+                if srv.get("chunk_cap")
+                else "the engine's chunking defaults (long-prompt threshold and attention-cost budget)."
+            ),
             "",
         ]
         lines += table(
