@@ -33,8 +33,8 @@ class GatewayConfig:
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("gateway")
         g.add_argument("--redis-url", default=None, help="Redis of the queue (env PAGEDQ_REDIS_URL)")
-        g.add_argument("--host", default=_env("gateway_host", "127.0.0.1"), help="address to listen on")
-        g.add_argument("--port", type=int, default=int(_env("gateway_port", "8000")), help="port to listen on")
+        g.add_argument("--host", default=_env("gateway_host") or "127.0.0.1", help="address to listen on")
+        g.add_argument("--port", type=int, default=int(_env("gateway_port") or 8000), help="port to listen on")
         g.add_argument(
             "--api-keys",
             default=_env("api_keys"),
@@ -50,21 +50,19 @@ class GatewayConfig:
         g.add_argument(
             "--result-ttl",
             type=float,
-            default=float(_env("result_ttl", "86400")),
+            default=float(_env("result_ttl") or 86400),
             help="seconds a finished answer stays retrievable and resumable",
         )
-        g.add_argument(
-            "--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 << 20))), help="larger: 413"
-        )
+        g.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes") or 4 << 20), help="larger: 413")
         g.add_argument(
             "--request-timeout",
             type=float,
-            default=float(_env("request_timeout", "0")) or None,
+            default=float(_env("request_timeout") or 0) or None,
             help="deadline in seconds of every request (504 after it; default: none). A request may "
             "ask for a shorter one with the header `pagedq-timeout: SECONDS`",
         )
         g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 429 (queue full)")
-        g.add_argument("--log-level", default=_env("log_level", "info").lower())
+        g.add_argument("--log-level", default=(_env("log_level") or "info").lower())
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, redis_url: str) -> GatewayConfig:
