@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
+import redis.exceptions as rex
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -116,11 +117,8 @@ class Gateway:
     async def create(self, request: Request, kind: str) -> Response | EventStream:
         clock = Clock(self.metrics, _route(request))
         caller = self.caller(request)
-        m = (
-            mapping.map_chat(mapping.decode(kind, await self.body(request)))
-            if kind == mapping.CHAT
-            else (mapping.map_completion(mapping.decode(kind, await self.body(request))))
-        )
+        decoded = mapping.decode(kind, await self.body(request))
+        m = mapping.map_chat(decoded) if kind == mapping.CHAT else mapping.map_completion(decoded)
         await self.registry.check(
             m.model, allowed=caller.allowed_or_none, queue_without_workers=self.config.queue_without_workers
         )
@@ -286,6 +284,10 @@ def _guarded(handler):
             return await handler(request)
         except errors.ApiError as e:
             return error_response(e)
+        except PagedqError as e:
+            return error_response(errors.from_sdk(e))
+        except rex.RedisError as e:
+            return error_response(errors.redis_unavailable(e))
 
     return endpoint
 

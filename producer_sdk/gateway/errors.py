@@ -100,6 +100,10 @@ def too_large(message: str) -> ApiError:
     return ApiError(413, message, code="request_too_large")
 
 
+def redis_unavailable(exc: BaseException) -> ApiError:
+    return ApiError(503, f"The queue is unreachable: {exc}", type="server_error", code="redis_unavailable")
+
+
 def from_sdk(exc: BaseException, *, param_of=None, retry_after_s: int = 1) -> ApiError:
     """The HTTP answer to an SDK error raised while submitting or reading a request.
     `param_of` maps a protocol field path (``sampling.top_p``) to the OpenAI parameter name."""
@@ -121,5 +125,5 @@ def from_sdk(exc: BaseException, *, param_of=None, retry_after_s: int = 1) -> Ap
         kind = "invalid_request_error" if status == 400 else "server_error"
         return ApiError(status, exc.error_message, type=kind, code=exc.code)
     if isinstance(exc, (sdk.ConnectionLost, sdk.AccessDenied)):
-        return ApiError(503, f"The queue is unreachable: {exc}", type="server_error", code="redis_unavailable")
+        return redis_unavailable(exc)
     return ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="internal_error")
