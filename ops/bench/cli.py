@@ -120,6 +120,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "(--long-prefill-token-threshold); bounds the stall long prompts cause",
     )
     s.add_argument("--long-requests", type=int, default=None, help="requests of the long-prompt run (32; quick 8)")
+    s.add_argument("--via", choices=("sdk", "gateway"), default="sdk", help="gateway: the HTTP gateway vs the SDK")
+    s.add_argument("--gateway-streams", type=int, default=1000, help="--via gateway: SSE streams held at once")
 
     m = p.add_argument_group("memory")
     m.add_argument("--max-model-len", type=int, default=2048, help="what contiguous allocation reserves per request")
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=round(time.monotonic() - t0, 1),
             )
             done[name] = result
-            path = save_result(name, result, args.out)
+            path = save_result("serve-gateway" if result.get("kind") == "serve-gateway" else name, result, args.out)
             progress.write(f"[{name}] wrote {path} ({result['seconds']:.0f}s)")
     finally:
         progress.close()

@@ -29,6 +29,7 @@ import argparse
 import math
 import uuid
 
+from ops.bench import gateway_load
 from ops.bench.common import kv_blocks_for, model_info
 from ops.bench.progress import Progress
 from ops.bench.results import load_latest
@@ -100,6 +101,8 @@ def sat_repeats(system: str, args: argparse.Namespace) -> int:
 
 
 def plan_units(args: argparse.Namespace) -> int:
+    if getattr(args, "via", "sdk") == "gateway":
+        return gateway_load.plan_units(args)
     n = 0
     for s in args.systems:
         n += 1 + sat_repeats(s, args) + len(args.rates)  # start + saturation + rates
@@ -108,6 +111,8 @@ def plan_units(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, progress: Progress, context: dict | None = None) -> dict:
+    if getattr(args, "via", "sdk") == "gateway":
+        return gateway_load.run(args, progress)
     from worker.service.redis_proc import RedisProcess
 
     info = model_info(args.model_dir)

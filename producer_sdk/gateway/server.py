@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -30,6 +31,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_open_files_limit() -> None:
+    """Each open stream holds two sockets (the client's and a Redis connection): lift the soft limit
+    on open files to the hard one, as servers do."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run(config: GatewayConfig) -> int:
     try:
         import uvicorn
@@ -45,6 +59,7 @@ def run(config: GatewayConfig) -> int:
     except KeyFileError as e:
         say(f"error: {e}")
         return 2
+    raise_open_files_limit()
     try:
         sock = bind(config.host, config.port)
     except OSError as e:
