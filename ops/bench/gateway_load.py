@@ -6,12 +6,13 @@ One redis-server, one `pagedq` worker (the serve benchmark's engine options) and
 1. saturation: the `random` workload submitted at once, through the SDK (`producer_sdk.AsyncClient`)
    and through the gateway (streamed `POST /v1/completions` with the same token-id prompts, greedy,
    `ignore_eos`); --repeats runs each, medians; goal: gateway >= 95% of the SDK's output tokens/s;
-2. added time to first token: --single-requests short requests one at a time through each path;
+2. added time to first token: short requests (32-token prompts, 8 tokens out; --single-requests, at
+   least 24) one at a time through each path, alternating;
    goal: p50 TTFT through the gateway minus p50 through the SDK < 5 ms;
 3. --gateway-streams concurrent SSE streams held open by one gateway (chat requests queued for a
    model name that has no worker, so every stream stays open, waiting, for as long as the check
    takes); the gateway's resident memory before and while holding them gives the memory per stream.
-   One request to the served model is answered while they are held.
+   Requests to the served model are answered while they are held (3, one a second: median TTFT).
 
 The HTTP client is a small asyncio HTTP/1.1 + SSE reader (ops/bench/gateway_proc.py). An SSE chunk
 without logprobs does not say how many tokens it carries: each counts as one, and the last one gets
@@ -34,6 +35,7 @@ from ops.bench.workloads import BenchRequest, make_workload, warmup_requests
 
 GOAL_THROUGHPUT_RATIO = 0.95
 GOAL_ADDED_TTFT_S = 0.005
+MIN_SINGLE_REQUESTS = 24
 IDLE_MODEL = "bench-idle"  # a served-once model name with no worker: its streams wait
 
 
@@ -57,17 +59,16 @@ async def _one_http(port: int, model: str, r: BenchRequest, res: ReqResult) -> N
         async for data in s.events():
             if data == b"[DONE]":
                 break
-            obj = json.loads(data)
-            if obj.get("usage") and not obj["choices"]:
-                left = obj["usage"]["completion_tokens"] - res.tokens
-                if res.chunks and left:
-                    t, n = res.chunks[-1]
-                    res.chunks[-1] = (t, n + left)
-            elif obj["choices"] and obj["choices"][0].get("finish_reason") is None:
+            if b'"finish_reason":null' in data:  # a token chunk (no JSON parse: the client stays light)
                 now = time.perf_counter()
                 if not res.chunks:
                     res.t_first = now
                 res.chunks.append((now, 1))
+            elif b'"choices":[]' in data:  # the usage chunk
+                left = json.loads(data)["usage"]["completion_tokens"] - res.tokens
+                if res.chunks and left:
+                    t, n = res.chunks[-1]
+                    res.chunks[-1] = (t, n + left)
         res.t_end = time.perf_counter()
     except Exception as e:  # recorded, the run goes on
         res.error = f"{type(e).__name__}: {e}"
@@ -136,8 +137,11 @@ def hold_streams(redis_url: str, gateway: GatewayProcess, ns: str, n: int, probe
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         held = await asyncio.to_thread(gateway.metric, "pagedq_gateway_open_streams")
         rss = gateway.rss_bytes()
-        probe_res = ReqResult(0, "chat", len(probe.prompt), probe.max_tokens)
-        await _one_http(gateway.port, ns, probe, probe_res)
+        probes = []
+        for _ in range(3):  # once the burst of 1,000 openings has settled (its Redis connections made)
+            await asyncio.sleep(1.0)
+            probes.append(ReqResult(0, "chat", len(probe.prompt), probe.max_tokens))
+            await _one_http(gateway.port, ns, probe, probes[-1])
         for s in streams:
             s.close()
         return {
@@ -149,8 +153,8 @@ def hold_streams(redis_url: str, gateway: GatewayProcess, ns: str, n: int, probe
             "rss_before_mib": before / 2**20,
             "rss_holding_mib": rss / 2**20,
             "per_stream_kib": (rss - before) / max(n - len(failed), 1) / 1024,
-            "probe_ok": probe_res.ok,
-            "probe_ttft_s": probe_res.ttft,
+            "probe_ok": all(p.ok for p in probes),
+            "probe_ttft_s": median(p.ttft for p in probes),
         }
 
     try:
@@ -174,7 +178,8 @@ def run(args, progress: Progress) -> dict:
     info = model_info(args.model_dir)
     vocab, max_len = info["prompt_vocab"], info["max_model_len"]
     wl = make_workload(args.workload, args.requests, args.seed, vocab, max_len)
-    singles = [BenchRequest(r.prompt[:32], 8) for r in wl.requests[: max(args.single_requests, 8)]]
+    n_single = max(args.single_requests, MIN_SINGLE_REQUESTS)
+    singles = [BenchRequest(r.prompt[:32], 8) for r in make_workload("random", n_single, args.seed + 1, vocab).requests]
     n_streams = args.gateway_streams
     out: dict = {
         "kind": "serve-gateway",

@@ -39,6 +39,9 @@ from producer_sdk.gateway.streams import Clock, EventStream, Reading, sse_frames
 
 log = logging.getLogger("pagedq.gateway")
 REDIS_SOCKET_TIMEOUT_S = 30.0  # above the SDK's XREAD BLOCK slices
+# A waiting stream rechecks that its request still exists after each idle XREAD BLOCK of this long:
+# longer than the SDK's 2 s, so a gateway holding thousands of idle streams stays quiet.
+IDLE_BLOCK_MS = 10_000
 
 
 def json_response(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -77,7 +80,13 @@ class Gateway:
     def client(self, model: str) -> AsyncClient:
         c = self._clients.get(model)
         if c is None:
-            c = AsyncClient(self.redis, model=model, check_model=False, result_ttl_s=self.config.result_ttl_s)
+            c = AsyncClient(
+                self.redis,
+                model=model,
+                check_model=False,
+                result_ttl_s=self.config.result_ttl_s,
+                block_ms=IDLE_BLOCK_MS,
+            )
             self._clients[model] = c
         return c
 
