@@ -16,6 +16,8 @@ from pathlib import Path
 
 from worker.service.redis_proc import free_port
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 class GatewayProc:
     """One gateway process; `start()` returns once it answers /health."""
