@@ -56,6 +56,18 @@ def test_full_queue_is_429_with_retry_after(gateway, gw_redis_url, r):
         assert busy.result(timeout=30, partial_ok=True).finish_reason == "abort"
 
 
+def test_a_deadline_is_504_whole_and_an_error_event_streamed(gateway):
+    body = {"model": "default", "messages": HI, "max_tokens": 300, "ignore_eos": True}
+    status, _, reply = request(gateway.port, "POST", CHAT, body, headers={"pagedq-timeout": "0.3"})
+    err = error_of(reply)
+    assert (status, err["code"], err["type"]) == (504, "deadline_exceeded", "timeout")
+    events = list(SSE(gateway.port, "POST", CHAT, {**body, "stream": True}, headers={"pagedq-timeout": "0.3"}).events())
+    assert events[-1] == (None, "[DONE]")
+    final_id, final = events[-2]
+    assert json.loads(final)["error"]["code"] == "deadline_exceeded" and final_id is not None
+    assert request(gateway.port, "POST", CHAT, body, headers={"pagedq-timeout": "soon"})[0] == 400
+
+
 @pytest.mark.parametrize(
     ("change", "param", "code"),
     [
