@@ -85,6 +85,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from producer_sdk.gateway.config import GatewayConfig
+    from producer_sdk.gateway.server import run
+    from worker.local import default_redis_url
+
+    return run(GatewayConfig.from_cli_args(args, redis_url=args.redis_url or default_redis_url()))
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     return _run_bench(args.rest)
 
@@ -145,7 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     # `up` starts its own redis-server unless --redis-url (or PAGEDQ_REDIS_URL) names one.
     up.set_defaults(redis_url=_env("redis_url"))
     up.add_argument("--redis-port", type=int, default=None, help="port of the private redis-server (default: free)")
+    from worker.local import add_gateway_args
+
+    add_gateway_args(up)
     up.set_defaults(func=_cmd_up, log_level="WARNING")
+
+    from producer_sdk.gateway.config import GatewayConfig
+
+    gateway = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway onto the queue (extra: gateway)")
+    GatewayConfig.add_cli_args(gateway)
+    gateway.set_defaults(func=_cmd_gateway)
 
     from worker.cli_client import add_stats_args, add_submit_args, cmd_stats, cmd_submit
 

@@ -1,4 +1,5 @@
-"""`make demo`: start `pagedq up`, stream three answers through Redis, print a summary, stop.
+"""`make demo`: start `pagedq up`, stream three answers through Redis, print a summary, then ask
+once more through the OpenAI-compatible gateway (as `curl` would), and stop.
 
 The second request is sent while the first is still generating, so continuous batching shows:
 its first token arrives long before the first request ends. The third shares the first one's
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -106,6 +108,37 @@ def _summary(runs: list[Run], stats) -> None:
     _print(f"prefix cache: request #3 reused {runs[2].cached} of its {runs[2].prompt_tokens} prompt tokens ({hit:.0%})")
 
 
+def _through_gateway(port: int, max_tokens: int) -> None:
+    """One chat completion through the gateway, shown as the curl command that does the same."""
+    import urllib.error
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": QUESTIONS[2]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    _print("\n>>> the same through the OpenAI-compatible gateway:\n")
+    _print(f"$ curl {url} -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as resp:
+            answer = json.loads(resp.read())
+    except (urllib.error.URLError, OSError) as e:
+        _print(f"(the gateway did not answer: {e})")
+        return
+    choice, usage = answer["choices"][0], answer["usage"]
+    _print(f'{{"id": "{answer["id"]}", "object": "{answer["object"]}", ... }}')
+    _print(choice["message"]["content"])
+    _print(
+        f"(finish_reason {choice['finish_reason']}; {usage['prompt_tokens']} prompt + "
+        f"{usage['completion_tokens']} completion tokens. Any OpenAI client works: "
+        f"OpenAI(base_url='http://127.0.0.1:{port}/v1', api_key='unused'))"
+    )
+
+
 def _wait_for_worker(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     from producer_sdk import Client
     from producer_sdk.errors import PagedqError
@@ -133,16 +166,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from worker.service.redis_proc import free_port
 
-    port = free_port()
+    port, gateway_port = free_port(), free_port()
     url = f"redis://127.0.0.1:{port}/0"
     cmd = [sys.executable, "-m", "worker.cli", "up", "--redis-port", str(port), "--dtype", args.dtype]
+    cmd += ["--gateway-port", str(gateway_port)]
     if args.model:
         cmd += ["--model", args.model]
-    _print(f"$ pagedq up --redis-port {port}{' --model ' + args.model if args.model else ''}")
+    shown = f"--redis-port {port} --gateway-port {gateway_port}{' --model ' + args.model if args.model else ''}"
+    _print(f"$ pagedq up {shown}")
     up = subprocess.Popen(cmd, env={**os.environ, "PAGEDQ_LOG_LEVEL": "WARNING"})
     try:
         _wait_for_worker(url, up)
         asyncio.run(_conversation(url, args.max_tokens))
+        _through_gateway(gateway_port, args.max_tokens)
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -150,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             up.kill()
             rc = up.wait()
-    _print(f'\npagedq up stopped (exit code {rc}). Try it yourself: `pagedq up`, then `pagedq submit "Hi" --chat`.')
+    _print(
+        f'\npagedq up stopped (exit code {rc}). Try it yourself: `pagedq up`, then `pagedq submit "Hi" --chat`, or any '
+        "OpenAI client at http://127.0.0.1:8000/v1."
+    )
     return 0 if rc == 0 else 1
 
 

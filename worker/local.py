@@ -1,9 +1,10 @@
 """`pagedq up`: the whole stack in one process tree, for a laptop or a single GPU box.
 
 Starts a private redis-server (AOF on, data in a temporary folder) unless `--redis-url` is given,
-prepares the bundled SmolLM2-135M-Instruct unless `--model` is given, and runs one worker in this
-process. Ctrl-C (or SIGTERM) drains the worker, stops redis-server and removes the temporary folder;
-the model cache stays. While it runs, `~/.cache/pagedq/up.json` tells `pagedq submit` and
+prepares the bundled SmolLM2-135M-Instruct unless `--model` is given, starts an OpenAI-compatible
+gateway process on port 8000 (`--gateway-port`, `--no-gateway`) and runs one worker in this process.
+Ctrl-C (or SIGTERM) drains the worker, stops the gateway and redis-server and removes the temporary
+folder; the model cache stays. While it runs, `~/.cache/pagedq/up.json` tells `pagedq submit` and
 `pagedq stats` where Redis is.
 """
 
@@ -14,12 +15,15 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 STATE_FILE = "up.json"
+GATEWAY_START_S = 20.0
 
 
 def state_path() -> Path:
@@ -56,6 +60,48 @@ def say(msg: str) -> None:
     print(f"[pagedq up] {msg}", file=sys.stderr, flush=True)
 
 
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    """`pagedq up`'s options for the gateway it starts."""
+    g = parser.add_argument_group("gateway")
+    g.add_argument(
+        "--gateway-port",
+        type=int,
+        default=int(os.environ.get("PAGEDQ_GATEWAY_PORT", "8000")),
+        help="port of the OpenAI-compatible gateway on 127.0.0.1 (default 8000)",
+    )
+    g.add_argument("--no-gateway", action="store_true", help="start no gateway")
+
+
+def start_gateway(redis_url: str, port: int) -> subprocess.Popen:
+    """The gateway as a child process (it is one in production too; it never imports torch)."""
+    cmd = [sys.executable, "-m", "producer_sdk.gateway", "--redis-url", redis_url, "--port", str(port)]
+    return subprocess.Popen(cmd, env={**os.environ, "PAGEDQ_LOG_LEVEL": "warning"})
+
+
+def wait_gateway(proc: subprocess.Popen, port: int, timeout: float = GATEWAY_START_S) -> str | None:
+    """The gateway's base URL once it answers /health, or None if it exited or never answered."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            time.sleep(0.1)
+    return None
+
+
+def stop_gateway(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_up(args: argparse.Namespace) -> int:
     from worker.service.logging import configure_logging
 
@@ -65,6 +111,7 @@ def run_up(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     redis_proc = None
+    gateway = None
     tmp = None
     state = state_path()
     try:
@@ -77,6 +124,8 @@ def run_up(args: argparse.Namespace) -> int:
             redis_proc = RedisProcess(args.redis_port, appendonly=True, data_dir=tmp / "redis").start()
             redis_url = redis_proc.url
             say(f"redis-server started on {redis_url} (AOF on, data in {tmp})")
+        if not getattr(args, "no_gateway", True):
+            gateway = start_gateway(redis_url, args.gateway_port)  # starts while the model loads
         model = args.model
         if not model:
             from worker.models.prepare import default_dir, is_prepared, prepare
@@ -104,15 +153,28 @@ def run_up(args: argparse.Namespace) -> int:
         from worker.service.server import WorkerService
 
         service = WorkerService(engine, ServiceConfig.from_cli_args(args, redis_url=redis_url))
+        gateway_url = wait_gateway(gateway, args.gateway_port) if gateway is not None else None
+        if gateway is not None and gateway_url is None:
+            say(f"the gateway did not start (port {args.gateway_port} taken? see above); going on without it")
+            stop_gateway(gateway)
         state.parent.mkdir(parents=True, exist_ok=True)
-        state.write_text(json.dumps({"pid": os.getpid(), "redis_url": redis_url, "model": args.model_name}))
+        info = {"pid": os.getpid(), "redis_url": redis_url, "model": args.model_name, "gateway_url": gateway_url}
+        state.write_text(json.dumps(info))
         say(f"serving model name {args.model_name!r}; point producers at {redis_url}")
+        if gateway_url:
+            say(f"OpenAI-compatible gateway on {gateway_url} (model {args.model_name!r})")
         say('try:  pagedq submit "Hello!" --chat      (Ctrl-C here stops everything)')
+        if gateway_url:
+            say(
+                f"  or:  curl {gateway_url}/chat/completions -H 'Content-Type: application/json' "
+                f'-d \'{{"model": "{args.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\''
+            )
         return asyncio.run(service.run())
     except KeyboardInterrupt:
         return 0
     finally:
         _remove_own_state(state)
+        stop_gateway(gateway)
         if redis_proc is not None:
             redis_proc.stop()
         if tmp is not None:

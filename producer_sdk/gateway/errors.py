@@ -1,0 +1,129 @@
+"""HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with the status
+that says what went wrong, and the mapping from the SDK's typed errors."""
+
+from __future__ import annotations
+
+import msgspec
+
+from producer_sdk import errors as sdk
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class _Envelope(msgspec.Struct):
+    error: ErrorBody
+
+
+_encoder = msgspec.json.Encoder()
+
+
+class ApiError(Exception):
+    """An answer other than 200: status, OpenAI error fields, and extra headers (Retry-After)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorBody(message=message, type=type, param=param, code=code)
+        self.headers = headers or {}
+
+    def json(self) -> bytes:
+        return _encoder.encode(_Envelope(self.body))
+
+    def __repr__(self) -> str:
+        return f"ApiError({self.status}, {self.body.message!r}, param={self.body.param!r})"
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, why: str = "") -> ApiError:
+    more = f": {why}" if why else ""
+    return ApiError(400, f"`{param}` is not supported yet by pagedq{more}", param=param, code="unsupported_parameter")
+
+
+def model_not_found(model: str, served: list[str]) -> ApiError:
+    names = ", ".join(served) if served else "none"
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it (served: {names}).",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def no_worker(model: str, draining: bool) -> ApiError:
+    if draining:
+        msg, code = f"Every worker serving `{model}` is shutting down; retry shortly.", "workers_draining"
+    else:
+        msg, code = f"No live worker serves `{model}` now; retry shortly.", "no_live_worker"
+    return ApiError(503, msg, type="server_error", code=code, headers={"Retry-After": "1"})
+
+
+def queue_full(exc: sdk.QueueFull, retry_after_s: int) -> ApiError:
+    return ApiError(
+        429,
+        f"The queue of this model is full ({exc.length} requests queued, limit {exc.limit}); retry later.",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def not_found(message: str, code: str = "not_found") -> ApiError:
+    return ApiError(404, message, code=code)
+
+
+def deadline(request_id: str) -> ApiError:
+    return ApiError(504, f"Request {request_id} reached its deadline.", type="timeout", code="deadline_exceeded")
+
+
+def too_large(message: str) -> ApiError:
+    return ApiError(413, message, code="request_too_large")
+
+
+def redis_unavailable(exc: BaseException) -> ApiError:
+    return ApiError(503, f"The queue is unreachable: {exc}", type="server_error", code="redis_unavailable")
+
+
+def from_sdk(exc: BaseException, *, param_of=None, retry_after_s: int = 1) -> ApiError:
+    """The HTTP answer to an SDK error raised while submitting or reading a request.
+    `param_of` maps a protocol field path (``sampling.top_p``) to the OpenAI parameter name."""
+    if isinstance(exc, sdk.PayloadTooLarge):
+        return too_large(exc.message)
+    if isinstance(exc, sdk.ValidationError):
+        param = param_of(exc.field) if param_of and exc.field else exc.field
+        return invalid(exc.message, param)
+    if isinstance(exc, sdk.QueueFull):
+        return queue_full(exc, retry_after_s)
+    if isinstance(exc, sdk.ModelNotFound):
+        return model_not_found(exc.model, exc.served)
+    if isinstance(exc, sdk.DeadlineExceeded):
+        return deadline(exc.request_id)
+    if isinstance(exc, sdk.RequestLost):
+        return not_found(str(exc), code="request_lost")
+    if isinstance(exc, sdk.RequestFailed):
+        status = 400 if exc.code in ("invalid", "schema", "too_large", "malformed") else 500
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        return ApiError(status, exc.error_message, type=kind, code=exc.code)
+    if isinstance(exc, (sdk.ConnectionLost, sdk.AccessDenied)):
+        return redis_unavailable(exc)
+    return ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="internal_error")

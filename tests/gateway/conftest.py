@@ -1,0 +1,63 @@
+"""One redis database, one real worker (tiny Llama, every step at least 10 ms so that streams can be
+cut mid-generation) and one gateway process, shared by every test of tests/gateway.
+
+These tests never use the `redis_url` fixture (it flushes the server); they clean up after
+themselves instead, and measure worker metrics as differences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from tests.gateway.gateway_proc import GatewayProc
+from tests.service.worker_proc import WorkerProc
+
+STEP_DELAY_S = "0.01"
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="package")
+def gw_redis_url(redis_server) -> str:
+    if not redis_server.ping():
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture(scope="package")
+def gw_worker(llama_dir, gw_redis_url):
+    w = WorkerProc(
+        llama_dir,
+        gw_redis_url,
+        "--max-num-seqs",
+        "64",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        env={"PAGEDQ_FAULT_STEP_DELAY_S": STEP_DELAY_S},
+    ).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="package")
+def gateway(gw_worker, gw_redis_url):
+    g = GatewayProc(gw_redis_url).start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="package")
+def offline(llama_dir):
+    from worker import LLM
+
+    return LLM(model=str(llama_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def r(gw_redis_url):
+    client = redis.Redis.from_url(gw_redis_url)
+    yield client
+    client.close()

@@ -1,0 +1,202 @@
+"""The gateway's pure parts, no processes: OpenAI bodies to submit arguments, response shapes,
+request ids from idempotency keys, the API key file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from producer_sdk.constants import REQUEST_ID_PATTERN
+from producer_sdk.gateway import mapping, records
+from producer_sdk.gateway.auth import KeyFileError, KeyRing
+from producer_sdk.gateway.errors import ApiError
+from producer_sdk.gateway.render import DONE, Renderer, request_id_of
+from producer_sdk.protocol import Usage
+from producer_sdk.results import Choice, Chunk, Completion
+
+
+def chat(**body):
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}).encode()
+    return mapping.map_chat(mapping.decode(mapping.CHAT, raw))
+
+
+def completion(**body):
+    raw = json.dumps({"model": "m", **body}).encode()
+    return mapping.map_completion(mapping.decode(mapping.COMPLETION, raw))
+
+
+def test_chat_maps_openai_and_vllm_names():
+    m = chat(
+        max_completion_tokens=7,
+        temperature=0.5,
+        stop="x",
+        seed=3,
+        n=2,
+        logprobs=True,
+        top_logprobs=4,
+        top_k=5,
+        min_p=0.1,
+        priority=3,
+        user="u",
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ],
+    )
+    assert m.submit == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "stop": ["x"],
+        "seed": 3,
+        "n": 2,
+        "logprobs": 4,
+        "top_k": 5,
+        "min_p": 0.1,
+        "priority": -3,  # vLLM: lower is earlier; pagedq: higher is earlier
+        "metadata": {"user": "u"},
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}],
+    }
+    assert m.stream and m.include_usage and m.logprobs and m.kind == "chat"
+    assert mapping.param_of(m, "sampling.max_tokens") == "max_completion_tokens"
+    assert mapping.param_of(m, "sampling.logprobs") == "top_logprobs"
+    assert mapping.param_of(m, "messages[1].role") == "messages[1].role"
+    assert chat().submit["max_tokens"] is None  # chat: up to the model's length, as OpenAI
+
+
+def test_completion_prompt_kinds_and_defaults():
+    assert completion(prompt="hi").submit == {"prompt": "hi", "max_tokens": 16}
+    assert completion(prompt=[1, 2, 3]).submit["prompt_token_ids"] == [1, 2, 3]
+    assert completion(prompt=["hi"]).submit["prompt"] == "hi"
+    assert completion(prompt=[[4, 5]], logprobs=0).submit == {
+        "prompt_token_ids": [4, 5],
+        "max_tokens": 16,
+        "logprobs": 0,
+    }
+    m = completion(prompt="x", max_tokens=0)
+    assert mapping.param_of(m, "sampling.max_tokens") == "max_tokens"
+    assert mapping.param_of(m, "prompt_token_ids") == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("make", "param"),
+    [
+        (lambda: chat(tools=[{}]), "tools"),
+        (lambda: chat(tool_choice="auto"), "tool_choice"),
+        (lambda: chat(modalities=["audio"]), "modalities"),
+        (lambda: chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),
+        (
+            lambda: chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            "messages[0].content[0]",
+        ),
+        (lambda: chat(messages=[{"role": "user", "content": "x", "name": "bob"}]), "messages[0].name"),
+        (lambda: chat(messages=[{"role": "assistant", "content": None}]), "messages[0].content"),
+        (lambda: chat(stream_options={"include_usage": True}), "stream_options"),
+        (lambda: chat(metadata={"tenant": "me"}), "metadata.tenant"),
+        (lambda: completion(prompt="x", echo=True), "echo"),
+        (lambda: completion(prompt="x", suffix="y"), "suffix"),
+        (lambda: completion(prompt="x", best_of=3), "best_of"),
+        (lambda: completion(prompt=["a", "b"]), "prompt"),
+        (lambda: completion(), "prompt"),
+        (lambda: completion(prompt={"a": 1}), "prompt"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(make, param):
+    with pytest.raises(ApiError) as e:
+        make()
+    assert e.value.status == 400 and e.value.body.param == param
+
+
+def test_harmless_values_of_unsupported_parameters_pass():
+    m = chat(tools=[], tool_choice="none", response_format={"type": "text"}, parallel_tool_calls=False)
+    assert "tools" not in m.submit
+
+
+def _done(text="ab", reason="stop") -> Completion:
+    choice = Choice(
+        index=0,
+        text=text,
+        token_ids=[1, 2],
+        finish_reason=reason,
+        logprobs=[-0.5, -0.25],
+        top_logprobs=[[(1, -0.5), (7, -2.0)], [(2, -0.25), (8, -3.0)]],
+    )
+    return Completion("r", text, [1, 2], reason, stop_reason="\n", usage=Usage(5, 2, 3), choices=[choice])
+
+
+def test_shapes_of_chat_objects_and_chunks():
+    r = Renderer("chat", "abcdefgh", "m", 123, include_usage=True)
+    whole = json.loads(r.whole(_done()))
+    assert whole["id"] == "chatcmpl-abcdefgh" and whole["object"] == "chat.completion" and whole["created"] == 123
+    assert whole["choices"][0]["message"]["content"] == "ab" and whole["choices"][0]["stop_reason"] == "\n"
+    assert whole["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    lp = whole["choices"][0]["logprobs"]["content"]
+    assert lp[0] == {
+        "token": "token_id:1",
+        "logprob": -0.5,
+        "bytes": None,
+        "top_logprobs": [
+            {"token": "token_id:1", "logprob": -0.5, "bytes": None},
+            {"token": "token_id:7", "logprob": -2.0, "bytes": None},
+        ],
+    }
+    frame = r.token_frame(Chunk("a", [1], 0, seq=4)).decode()
+    assert frame.startswith("id: 4\ndata: ") and frame.endswith("\n\n")
+    obj = json.loads(frame.split("data: ", 1)[1])
+    assert obj["object"] == "chat.completion.chunk" and obj["usage"] is None
+    assert obj["choices"] == [{"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None}]
+    finish, usage = r.finish_frames(9, _done()).decode().strip().split("\n\n")
+    assert json.loads(finish.split("data: ", 1)[1])["choices"][0]["finish_reason"] == "stop"
+    assert usage.startswith("id: 9\n") and json.loads(usage.split("data: ", 1)[1])["choices"] == []
+    assert DONE == b"data: [DONE]\n\n"
+    assert request_id_of("chat", "chatcmpl-abcdefgh") == request_id_of("chat", "abcdefgh") == "abcdefgh"
+
+
+def test_shapes_of_completion_objects():
+    r = Renderer("completion", "abcdefgh", "m", 1)
+    whole = json.loads(r.whole(_done()))
+    assert whole["id"] == "cmpl-abcdefgh" and whole["object"] == "text_completion"
+    assert whole["choices"][0]["logprobs"] == {
+        "tokens": ["token_id:1", "token_id:2"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"token_id:1": -0.5, "token_id:7": -2.0}, {"token_id:2": -0.25, "token_id:8": -3.0}],
+        "text_offset": None,
+    }
+    obj = json.loads(r.token_frame(Chunk("a", [1], 0, seq=1)).decode().split("data: ", 1)[1])
+    assert "usage" not in obj and obj["choices"][0]["text"] == "a"
+
+
+def test_request_ids_from_idempotency_keys():
+    assert REQUEST_ID_PATTERN.fullmatch(records.request_id_for(None, None))
+    assert records.request_id_for("my-key-123", None) == "my-key-123"
+    odd = records.request_id_for("spaces and ünïcode", None)
+    assert REQUEST_ID_PATTERN.fullmatch(odd) and odd == records.request_id_for("spaces and ünïcode", None)
+    a, b = records.request_id_for("my-key-123", "team-a"), records.request_id_for("my-key-123", "team-b")
+    assert a != b and REQUEST_ID_PATTERN.fullmatch(a), "two tenants' keys never name the same request"
+    rec = records.Record(kind="chat", model="m", created=5, n=2, include_usage=True, tenant="t")
+    assert records.decode(records.encode(rec)) == rec and records.decode(b"\xc1") is None
+
+
+def test_key_file(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-1": {"tenant": "a", "models": ["x"]}, "sk-2": {"tenant": "b", "models": ["*"]}}))
+    ring = KeyRing.load(path)
+    a, b = ring.caller("Bearer sk-1"), ring.caller("bearer  sk-2")
+    assert (a.tenant, a.allowed("x"), a.allowed("y")) == ("a", True, False)
+    assert (b.tenant, b.allowed("anything"), b.allowed_or_none) == ("b", True, None)
+    for header in (None, "", "Basic sk-1", "Bearer sk-3", "Bearer "):
+        with pytest.raises(ApiError) as e:
+            ring.caller(header)
+        assert e.value.status == 401
+    path.write_text(json.dumps({"sk-1": {"tenant": "a", "colour": "red"}}))
+    with pytest.raises(KeyFileError, match="colour"):
+        KeyRing.load(path)
+    with pytest.raises(KeyFileError):
+        KeyRing.load(tmp_path / "missing.json")
