@@ -107,6 +107,7 @@ def build_request(
     tools: Sequence[Mapping[str, Any] | Tool] | None = None,
     tool_choice: str | Mapping[str, Any] | NamedToolChoice | None = None,
     response_format: Mapping[str, Any] | ResponseFormat | None = None,
+    parallel_tool_calls: bool = True,
     request_id: str | None = None,
     priority: int = 0,
     deadline: float | _dt.datetime | _dt.timedelta | None = None,
@@ -143,6 +144,8 @@ def build_request(
         raw["tool_choice"] = _plain(tool_choice)
     if response_format is not None:
         raw["response_format"] = _plain(response_format)
+    if not parallel_tool_calls:
+        raw["parallel_tool_calls"] = False
     ms = deadline_to_ms(deadline)
     if ms is not None:
         raw["deadline_ms"] = max(ms, 0)

@@ -122,7 +122,8 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
 
     `v` has no default on purpose: it must always be on the wire (omit_defaults would drop it).
     `add_generation_prompt` only matters for `messages` (passed to the chat template), and so do the
-    v2 fields `tools` (rendered by the chat template) and `tool_choice` (default: "auto" with tools).
+    v2 fields `tools` (rendered by the chat template), `tool_choice` (default: "auto" with tools) and
+    `parallel_tool_calls` (OpenAI's).
     `response_format` (v2) constrains the output like `sampling.structured_outputs`.
     """
 
@@ -139,6 +140,7 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     metadata: dict[str, str] = {}
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: a forced call is exactly one call
     response_format: ResponseFormat | None = None
 
     @property

@@ -37,6 +37,8 @@ def min_version(r: GenerateRequest) -> int:
     """The lowest protocol version that carries this request (2 once it uses a v2 feature)."""
     if r.tools is not None or r.tool_choice is not None or r.response_format is not None:
         return 2
+    if not r.parallel_tool_calls:
+        return 2
     if r.sampling.structured_outputs is not None:
         return 2
     for m in r.messages or []:

@@ -157,6 +157,7 @@ class LLMEngine(RequestLifecycle):
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> str:
         """Queue a request for the next step; returns its id. Raises `RequestError` if it cannot run.
 
@@ -165,7 +166,8 @@ class LLMEngine(RequestLifecycle):
         `isolated` runs the request in steps of its own (a suspect after a failed step).
         `add_generation_prompt` is passed to the chat template (`messages` only), and so are `tools`
         (OpenAI's function tools); `tool_choice` ("none", "auto", "required" or
-        ``{"type": "function", "function": {"name": ...}}``) decides whether calls are parsed and forced.
+        ``{"type": "function", "function": {"name": ...}}``) decides whether calls are parsed and forced;
+        a forced "required" makes one call when `parallel_tool_calls` is False, else one or more.
         """
         request_id = request_id or f"req-{next(self._auto_id)}"
         if request_id in self._accepted:
@@ -180,6 +182,7 @@ class LLMEngine(RequestLifecycle):
             resume=resume,
             tools=tools,
             tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
             priority=priority,
             arrival_time=arrival_time,
             deadline=deadline,
@@ -308,13 +311,25 @@ class LLMEngine(RequestLifecycle):
                 self._retire(req)
 
     def _accept_grammar(self, seqs: list[Sequence], result: SamplerOutput) -> frozenset[int]:
-        """Advance each constrained sample's matcher; the rows whose token its grammar refused."""
+        """Advance each constrained sample's matcher; the rows whose grammar allowed no token. Such a row's
+        logits were all -inf (the grammar and min_tokens' suppression of the stop tokens left nothing), so
+        its "sampled" token is one the grammar refuses or a suppressed one."""
         if not any(s.matcher is not None for s in seqs):
             return frozenset()
         tokens = result.token_ids.tolist()
-        return frozenset(
-            r for r, s in enumerate(seqs) if s.matcher is not None and not self.structured.accept(s, tokens[r])
-        )
+        refused = set()
+        for r, s in enumerate(seqs):
+            if s.matcher is None:
+                continue
+            p = s.request.sampling_params
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+                suppressed = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                if tokens[r] in suppressed:
+                    refused.add(r)
+                    continue
+            if not self.structured.accept(s, tokens[r]):
+                refused.add(r)
+        return frozenset(refused)
 
     def _count_step(self, sched: SchedulerOutput, seconds: float) -> None:
         st = self.stats

@@ -101,6 +101,7 @@ class InputProcessor:
         resume: Sequence[Sequence[int]] | None = None,
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
         **request_options: Any,
     ) -> Request:
         """A `Request` ready to queue, or `RequestError`. `request_options` go to `Request` as they are."""
@@ -127,11 +128,16 @@ class InputProcessor:
             resume=[list(r) for r in resume] if resume is not None else None,
             **request_options,
         )
-        self._constrain(req, parser, tools, tool_choice)
+        self._constrain(req, parser, tools, tool_choice, parallel_tool_calls)
         return req
 
     def _constrain(
-        self, req: Request, parser: type[ToolParser] | None, tools: list[dict] | None, tool_choice: str | dict | None
+        self,
+        req: Request,
+        parser: type[ToolParser] | None,
+        tools: list[dict] | None,
+        tool_choice: str | dict | None,
+        parallel: bool,
     ) -> None:
         """Tools to parse and the grammar to follow; the grammar's compile starts now."""
         req.tools, req.tool_parser = tools, parser
@@ -141,7 +147,7 @@ class InputProcessor:
                 raise RequestError("structured_outputs and tools both constrain the output: use one")
             spec = spec_from_params(req.sampling_params.structured_outputs)
         elif parser is not None and tools:
-            spec = tool_grammar(parser, tools, tool_choice, self.token_markers)
+            spec = tool_grammar(parser, tools, tool_choice, self.token_markers, parallel=parallel)
         if spec is not None:
             if self.structured is None:
                 raise RequestError("this engine has no structured-output support")

@@ -72,15 +72,19 @@ def tool_grammar(
     tools: list[dict[str, Any]],
     tool_choice: str | dict[str, Any] | None,
     token_markers: frozenset[str],
+    *,
+    parallel: bool = True,
 ) -> GrammarSpec | None:
-    """The grammar of a forced call, or None when the model chooses (auto) or may not call (none)."""
+    """The grammar of a forced call (one or more of the tools, or exactly one when a function is named or
+    `parallel` is off), or None when the model chooses (auto) or may not call (none)."""
     forced, name = forced_function(tool_choice)
     if not forced:
         return None
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise RequestError(f"tool_choice names {name!r}, which is not among the tools")
-    return spec_from_tag(parser.forced_tag(chosen, single=name is not None, token_markers=token_markers))
+    single = name is not None or not parallel
+    return spec_from_tag(parser.forced_tag(chosen, single=single, token_markers=token_markers))
 
 
 def require_parser(parser: type[ToolParser] | None) -> type[ToolParser]:

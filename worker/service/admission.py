@@ -218,6 +218,7 @@ class Admission:
             isolated=isolated,
             tools=msgspec.to_builtins(req.tools) if req.tools is not None else None,
             tool_choice=msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None,
+            parallel_tool_calls=req.parallel_tool_calls,
         )
 
     async def dead_letter(self, rec: InFlight, code: str, message: str) -> None:

@@ -135,6 +135,13 @@ class ToolParser:
             self.i += 1
         return self.i < len(self.buf)
 
+    def _next_non_ws(self) -> int:
+        """Where the next non-whitespace character is, without consuming anything (-1: not yet seen)."""
+        j = self.i
+        while j < len(self.buf) and self.buf[j] in _WS:
+            j += 1
+        return j if j < len(self.buf) else -1
+
     def _at(self, marker: str) -> str:
         """At the cursor: "yes" (the marker is there, consumed), "maybe" (a prefix of it ends the
         buffer) or "no"."""

@@ -20,12 +20,15 @@ class HermesToolParser(ToolParser):
                 return False
             self.mode = "open"
         if self.mode == "open":
-            if not self._skip_ws():
+            j = self._next_non_ws()
+            if j < 0:
                 return False
-            if self.buf[self.i] != "{":
-                self._say(out, START)  # not a call after all: the marker was content
+            if self.buf[j] != "{":
+                self._say(out, START + self.buf[self.i : j])  # not a call after all: the marker was content
+                self.i = j
                 self.mode = "text"
                 return True
+            self.i = j
             self._open_call()
             self.mode = "call"
         if self.mode == "call":
