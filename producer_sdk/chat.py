@@ -74,6 +74,16 @@ class Tool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_on
     function: FunctionDefinition
     type: str = "function"
 
+    def as_openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's JSON lays it out (`type` first; unset fields left out): chat templates
+        print tools with `tojson`, so the key order is part of the prompt."""
+        fn = {"name": self.function.name}
+        for key in ("description", "parameters", "strict"):
+            value = getattr(self.function, key)
+            if value is not None:
+                fn[key] = value
+        return {"type": self.type, "function": fn}
+
 
 class ToolChoiceFunction(msgspec.Struct, forbid_unknown_fields=True):
     name: str

@@ -78,10 +78,11 @@ def test_text_without_a_call_is_all_content(name, text):
     assert content == text
 
 
-def test_a_call_cut_short_is_streamed_but_not_final():
+def test_a_call_cut_short_is_partial_streamed_and_final_alike():
     _, streamed, final, parser = parse("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1', 0)
-    assert final == [] and parser.num_complete == 0
+    assert parser.num_complete == 0
     assert streamed[0]["name"] == "add" and streamed[0]["arguments"] == '{"a": 1'
+    assert [(c.function.name, c.function.arguments) for c in final] == [("add", '{"a": 1')]
 
 
 def test_the_json_scanner_finds_name_and_arguments_in_any_order():

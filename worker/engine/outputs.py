@@ -22,8 +22,9 @@ class CompletionOutput:
     delta_text: str = ""
     delta_logprobs: list[float] | None = None
     delta_top_logprobs: list[list[tuple[int, float]]] | None = None
-    # Requests with tools: `text` without tool-call markup, and the calls parsed from it (complete
-    # ones); per step, the content added and the calls' deltas (id and name once, argument fragments).
+    # Requests with tools: `text` without tool-call markup, and the calls parsed from it (the last one
+    # partial when max_tokens cut it); per step, the content added and the calls' deltas (id and name
+    # once, argument fragments).
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
     delta_content: str | None = None

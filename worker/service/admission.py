@@ -216,7 +216,7 @@ class Admission:
             arrival_time=min(arrival, time.time()) if arrival else None,
             resume=resume,
             isolated=isolated,
-            tools=msgspec.to_builtins(req.tools) if req.tools is not None else None,
+            tools=[t.as_openai() for t in req.tools] if req.tools is not None else None,
             tool_choice=msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None,
             parallel_tool_calls=req.parallel_tool_calls,
         )

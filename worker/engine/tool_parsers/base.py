@@ -115,8 +115,9 @@ class ToolParser:
         return sum(1 for c in self.calls if c.scanner.done)
 
     def tool_calls(self) -> list[ToolCall]:
-        """The calls whose object was closed, in order."""
-        return [c.tool_call() for c in self.calls if c.scanner.done]
+        """The calls begun so far, in order, as streamed: one cut short (max_tokens) has partial arguments,
+        as OpenAI returns it."""
+        return [c.tool_call() for c in self.calls if c.name_sent]
 
     # --- helpers for the state machines -----------------------------------------------------------
 
