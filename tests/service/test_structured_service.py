@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -197,3 +201,18 @@ def test_sigkill_mid_way_through_constrained_requests_then_resume(llama_dir, red
             jsonschema.validate(json.loads(g.text), ORDER_SCHEMA)
         resumed += sum(isinstance(e, Started) for e in response_events(redis_url, h.request_id)) > 1
     assert resumed >= 4
+
+
+def test_the_tool_calling_example_runs_against_a_real_worker(redis_url, worker):
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "tool_calling.py"), "--redis-url", redis_url],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "calling get_weather(" in out.stdout and ") -> finish_reason tool_calls" in out.stdout
+    assert "answer:" in out.stdout and ("report: {" in out.stdout or "report cut short" in out.stdout)

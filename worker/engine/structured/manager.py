@@ -41,11 +41,13 @@ def xgrammar_available() -> bool:
 
 @dataclass
 class MaskStats:
-    """Time the engine thread spent filling bitmasks (summed over steps that had constrained rows)."""
+    """Host time the engine thread spent on grammars, summed over the steps that had constrained rows:
+    filling bitmasks (`seconds`) and advancing matchers with the sampled tokens (`accept_seconds`)."""
 
     steps: int = 0
     rows: int = 0
     seconds: float = 0.0
+    accept_seconds: float = 0.0
 
 
 class StructuredOutputManager:
@@ -98,9 +100,11 @@ class StructuredOutputManager:
         m = seq.matcher
         return all(m.accept_token(t) for t in tokens)
 
-    @staticmethod
-    def accept(seq: Sequence, token: int) -> bool:
-        return seq.matcher.accept_token(token)
+    def accept(self, seq: Sequence, token: int) -> bool:
+        started = time.perf_counter()
+        ok = seq.matcher.accept_token(token)
+        self.mask_stats.accept_seconds += time.perf_counter() - started
+        return ok
 
     @staticmethod
     def terminated(seq: Sequence) -> bool:
