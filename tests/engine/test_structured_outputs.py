@@ -218,3 +218,41 @@ def test_equal_schemas_share_one_compile(engine):
     for o in outs.values():
         jsonschema.validate(json.loads(o.outputs[0].text), fresh)
     assert_clean(engine)
+
+
+def test_smollm2_answers_follow_the_schema_and_call_tools_validly(smollm2_dir):
+    """The real SmolLM2 (with pagedq's Hermes template): JSON answers sampled at temperature 1.0 validate,
+    and forced calls pick a tool and valid arguments."""
+    from tests.engine.structured_cases import TOOL_MESSAGES, TOOLS, assert_valid_calls
+    from worker.models.chat_templates import HERMES_TOOLS
+
+    eng = LLMEngine(
+        model=str(smollm2_dir), dtype="float32", device="cpu", num_kv_blocks=1024, chat_template=str(HERMES_TOOLS)
+    )
+    ask = [{"role": "user", "content": "Write a customer order as JSON."}]
+    for i in range(6):
+        eng.add_request(
+            f"j{i}",
+            messages=ask,
+            params=SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured_outputs=JSON),
+        )
+    for i in range(2):
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=200)
+        eng.add_request(
+            f"t{i}",
+            messages=TOOL_MESSAGES,
+            params=params,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+    outs = drain(eng)
+    for i in range(6):
+        c = outs[f"j{i}"].outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), ORDER_SCHEMA)
+    for i in range(2):
+        c = outs[f"t{i}"].outputs[0]
+        assert c.finish_reason == "tool_calls", c.text
+        assert_valid_calls(c.tool_calls)
+    assert_clean(eng)
