@@ -31,8 +31,9 @@ from producer_sdk.errors import (
 )
 
 if TYPE_CHECKING:
+    from producer_sdk.chat import Message, ResponseFormat, StructuredOutputsParams, Tool, ToolCall, ToolCallDelta
     from producer_sdk.client import AsyncClient, Handle
-    from producer_sdk.protocol import Message, SamplingParams, Timings, Usage, WorkerState
+    from producer_sdk.protocol import SamplingParams, Timings, Usage, WorkerState
     from producer_sdk.results import Choice, Chunk, Completion, QueueStats
     from producer_sdk.sync import Client, SyncHandle
     from producer_sdk.validation import Limits
@@ -49,7 +50,12 @@ _LAZY = {
     "Completion": "producer_sdk.results",
     "QueueStats": "producer_sdk.results",
     "Limits": "producer_sdk.validation",
-    "Message": "producer_sdk.protocol",
+    "Message": "producer_sdk.chat",
+    "ResponseFormat": "producer_sdk.chat",
+    "StructuredOutputsParams": "producer_sdk.chat",
+    "Tool": "producer_sdk.chat",
+    "ToolCall": "producer_sdk.chat",
+    "ToolCallDelta": "producer_sdk.chat",
     "SamplingParams": "producer_sdk.protocol",
     "Timings": "producer_sdk.protocol",
     "Usage": "producer_sdk.protocol",
@@ -95,10 +101,15 @@ __all__ = [
     "RequestFailed",
     "RequestLost",
     "RequestTimeout",
+    "ResponseFormat",
     "SamplingParams",
     "StreamDiverged",
+    "StructuredOutputsParams",
     "SyncHandle",
     "Timings",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     "Usage",
     "ValidationError",
     "WorkerState",

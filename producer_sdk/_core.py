@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from producer_sdk._stream import Follower, translate_redis_error
+from producer_sdk.chat import Message, NamedToolChoice, ResponseFormat, Tool
 from producer_sdk.contract import keys, scripts
 from producer_sdk.errors import (
     ProtocolError,
@@ -28,13 +29,13 @@ from producer_sdk.protocol import (
     SAMPLING_FIELDS,
     ControlMessage,
     GenerateRequest,
-    Message,
     encode_control,
     encode_request,
     now_ms,
     schema_error,
 )
 from producer_sdk.validation import DEFAULT_LIMITS, Limits
+from producer_sdk.validation_chat import min_version
 
 # --- building a request ---------------------------------------------------------------------------
 
@@ -88,19 +89,25 @@ def _token_ids(ids: Iterable[Any]) -> list[Any]:
     return out
 
 
-def _plain_message(m: Any) -> Any:
-    if isinstance(m, Message):
-        return {"role": m.role, "content": m.content}
-    if isinstance(m, Mapping):
-        return dict(m)
-    return m  # wrong type: msgspec.convert names it
+def _plain(value: Any) -> Any:
+    """Structs (Message, Tool, ResponseFormat, ...) as plain data; anything else as it is (a wrong type
+    is left for msgspec.convert to name)."""
+    if isinstance(value, msgspec.Struct):
+        return msgspec.to_builtins(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    return value
 
 
 def build_request(
     prompt: str | None = None,
     *,
     prompt_token_ids: Sequence[int] | None = None,
-    messages: Sequence[Mapping[str, str] | Message] | None = None,
+    messages: Sequence[Mapping[str, Any] | Message] | None = None,
+    tools: Sequence[Mapping[str, Any] | Tool] | None = None,
+    tool_choice: str | Mapping[str, Any] | NamedToolChoice | None = None,
+    response_format: Mapping[str, Any] | ResponseFormat | None = None,
+    parallel_tool_calls: bool = True,
     request_id: str | None = None,
     priority: int = 0,
     deadline: float | _dt.datetime | _dt.timedelta | None = None,
@@ -109,10 +116,13 @@ def build_request(
     limits: Limits = DEFAULT_LIMITS,
     **sampling: Any,
 ) -> Prepared:
-    """Build, type-check, validate and encode a request (the same checks the worker runs)."""
+    """Build, type-check, validate and encode a request (the same checks the worker runs). It is
+    written in the lowest protocol version that carries it, so older workers serve what they can."""
     _check_sampling_names(sampling)
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
+    if sampling.get("structured_outputs") is not None:
+        sampling["structured_outputs"] = _plain(sampling["structured_outputs"])
     raw: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "request_id": request_id if request_id is not None else new_request_id(),
@@ -127,7 +137,15 @@ def build_request(
     if prompt_token_ids is not None:
         raw["prompt_token_ids"] = _token_ids(prompt_token_ids)
     if messages is not None:
-        raw["messages"] = [_plain_message(m) for m in messages]
+        raw["messages"] = [_plain(m) for m in messages]
+    if tools is not None:
+        raw["tools"] = [_plain(t) for t in tools]
+    if tool_choice is not None:
+        raw["tool_choice"] = _plain(tool_choice)
+    if response_format is not None:
+        raw["response_format"] = _plain(response_format)
+    if not parallel_tool_calls:
+        raw["parallel_tool_calls"] = False
     ms = deadline_to_ms(deadline)
     if ms is not None:
         raw["deadline_ms"] = max(ms, 0)
@@ -135,6 +153,7 @@ def build_request(
         request = msgspec.convert(raw, GenerateRequest, strict=True)
     except msgspec.ValidationError as e:
         raise schema_error(e, "request", ValidationError) from None
+    request.v = min_version(request)
     return Prepared(request, encode_request(request, limits))
 
 

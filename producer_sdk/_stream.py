@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rex
 
+from producer_sdk.chat import FunctionCall, ToolCall, ToolCallDelta
 from producer_sdk.contract import keys
 from producer_sdk.contract.keys import EVENT_FIELD
 from producer_sdk.contract.redis_errors import is_transient
@@ -25,7 +26,17 @@ from producer_sdk.errors import (
     RequestTimeout,
     StreamDiverged,
 )
-from producer_sdk.protocol import Error, Finished, Started, Timings, Tokens, UnknownEvent, Usage, decode_event
+from producer_sdk.protocol import (
+    Error,
+    Finished,
+    Started,
+    Timings,
+    Tokens,
+    ToolCalls,
+    UnknownEvent,
+    Usage,
+    decode_event,
+)
 from producer_sdk.results import Choice, Chunk, Completion
 
 if TYPE_CHECKING:
@@ -82,20 +93,45 @@ def translate_redis_error(exc: BaseException) -> Exception | None:
 # --- following a response stream ------------------------------------------------------------------
 
 
+class _CallParts:
+    """One tool call being assembled from its deltas."""
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.name = ""
+        self.arguments: list[str] = []
+
+    def add(self, d: ToolCallDelta) -> None:
+        self.id = d.id or self.id
+        self.name = d.name or self.name
+        self.arguments.append(d.arguments)
+
+    def build(self) -> ToolCall:
+        return ToolCall(id=self.id, function=FunctionCall(name=self.name, arguments="".join(self.arguments)))
+
+
 class CompletionBuilder:
-    """Accumulates Tokens events per sample index into choices."""
+    """Accumulates Tokens and ToolCalls events per sample index into choices."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.text: dict[int, list[str]] = {}
+        self.content: dict[int, list[str]] = {}
+        self.calls: dict[int, dict[int, _CallParts]] = {}
         self.ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[float] | None] = {}
         self.top: dict[int, list | None] = {}
         self.worker: str | None = None
 
+    def add_tool_calls(self, ev: ToolCalls) -> None:
+        calls = self.calls.setdefault(ev.index, {})
+        for d in ev.tool_calls:
+            calls.setdefault(d.index, _CallParts()).add(d)
+
     def add(self, ev: Tokens) -> None:
         i = ev.index
         self.text.setdefault(i, []).append(ev.text)
+        self.content.setdefault(i, []).append(ev.text if ev.content is None else ev.content)
         self.ids.setdefault(i, []).extend(ev.token_ids)
         for store, value in ((self.logprobs, ev.logprobs), (self.top, ev.top_logprobs)):
             if value is not None:
@@ -110,7 +146,7 @@ class CompletionBuilder:
 
     def build(self, fin: Finished | None) -> Completion:
         reasons = fin.finish_reasons if fin else []
-        n = max([*self.ids, len(reasons) - 1, 0]) + 1
+        n = max([*self.ids, *self.calls, len(reasons) - 1, 0]) + 1
         choices = [
             Choice(
                 index=i,
@@ -119,6 +155,8 @@ class CompletionBuilder:
                 finish_reason=reasons[i] if i < len(reasons) else (fin.finish_reason if fin else None),
                 logprobs=self.logprobs.get(i),
                 top_logprobs=self.top.get(i),
+                content="".join(self.content.get(i, [])),
+                tool_calls=[c.build() for _, c in sorted(self.calls[i].items())] if self.calls.get(i) else None,
             )
             for i in range(n)
         ]
@@ -134,6 +172,8 @@ class CompletionBuilder:
             choices=choices,
             logprobs=first.logprobs,
             worker=self.worker,
+            content=first.content,
+            tool_calls=first.tool_calls,
         )
 
 
@@ -251,7 +291,10 @@ class Follower:
                 continue  # written by a newer worker: its seq counts, its content is not ours to read
             if isinstance(ev, Tokens):
                 self.builder.add(ev)
-                yield Chunk(ev.text, ev.token_ids, ev.index, ev.logprobs, ev.top_logprobs, ev.seq)
+                yield Chunk(ev.text, ev.token_ids, ev.index, ev.logprobs, ev.top_logprobs, ev.seq, ev.content)
+            elif isinstance(ev, ToolCalls):
+                self.builder.add_tool_calls(ev)
+                yield Chunk("", [], ev.index, seq=ev.seq, content="", tool_calls=ev.tool_calls)
             elif isinstance(ev, Started):
                 self.builder.worker = ev.worker
                 self.attempt = ev.attempt

@@ -155,7 +155,11 @@ class AsyncClient(ClientBase):
         prompt: str | None = None,
         *,
         prompt_token_ids: Iterable[int] | None = None,
-        messages: Iterable[Mapping[str, str]] | None = None,
+        messages: Iterable[Mapping[str, Any]] | None = None,
+        tools: Iterable[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         request_id: str | None = None,
         priority: int = 0,
         deadline: Any = None,
@@ -164,7 +168,14 @@ class AsyncClient(ClientBase):
     ) -> Handle:
         """Enqueue a request and return its Handle at once.
 
-        Exactly one of `prompt`, `prompt_token_ids`, `messages` (chat, ``[{"role", "content"}]``).
+        Exactly one of `prompt`, `prompt_token_ids`, `messages` (chat, OpenAI's message shape:
+        ``{"role", "content"}``, plus ``tool_calls`` / ``tool_call_id`` for tool turns). With
+        messages, `tools` (OpenAI's function tools, rendered by the chat template) and `tool_choice`
+        ("none", "auto", "required" or ``{"type": "function", "function": {"name": ...}}``; a forced
+        call is grammar-constrained; `parallel_tool_calls=False` makes a forced "required" one call).
+        `response_format` (OpenAI's: ``{"type": "json_object"}`` or ``{"type": "json_schema",
+        "json_schema": {"name", "schema"}}``) constrains the output, as does the sampling parameter
+        `structured_outputs` (vLLM's: json, regex, choice, grammar).
         `priority` in [-100, 100] (> 0 high lane, < 0 low lane; the engine schedules higher
         first). `deadline`: seconds from now, a timedelta or a datetime. `**sampling`:
         SamplingParams fields (n, max_tokens, temperature, top_p, top_k, stop, seed, logprobs...).
@@ -177,6 +188,10 @@ class AsyncClient(ClientBase):
             dict(
                 prompt_token_ids=prompt_token_ids,
                 messages=messages,
+                tools=tools,
+                tool_choice=tool_choice,
+                response_format=response_format,
+                parallel_tool_calls=parallel_tool_calls,
                 request_id=request_id,
                 priority=priority,
                 deadline=deadline,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # what this side writes when a request needs it (see `validation.min_version`)
+SUPPORTED_VERSIONS = (1, 2)  # what this side reads
 
 DEFAULT_RESULT_TTL_S = 24 * 3600
-FINISH_REASONS = ("stop", "length", "abort", "deadline")
-ROLES = ("system", "user", "assistant", "tool")
+FINISH_REASONS = ("stop", "length", "abort", "deadline", "tool_calls")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+V1_ROLES = ("system", "user", "assistant", "tool")
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")

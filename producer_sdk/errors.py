@@ -65,7 +65,7 @@ class UnsupportedVersion(ProtocolError):
     def __init__(self, got: object, supported: int) -> None:
         super().__init__(
             f"request protocol version {got!r} is not supported: this side speaks version {supported} "
-            "(upgrade the older of producer_sdk and the worker)",
+            f"(and reads the versions before it) (upgrade the older of producer_sdk and the worker)",
             field="v",
         )
         self.got = got

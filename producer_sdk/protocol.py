@@ -1,7 +1,5 @@
 """Wire protocol between producers (this SDK) and pagedq workers: msgpack via msgspec Structs.
-
-Where these Structs live in Redis (keys, entry fields, the atomic Lua steps) is
-`producer_sdk.contract`.
+Where these Structs live in Redis (keys, entry fields, the atomic Lua steps): `producer_sdk.contract`.
 
 Events
     Every event carries `seq` = 0, 1, 2, ... per request, contiguous across worker crashes (a new
@@ -10,12 +8,13 @@ Events
     (duplicates), treats seq > expected as a protocol error (a gap), and a `Started` with
     seq < expected as a diverged stream (the new attempt did not see events the reader saw: Redis
     lost writes in a failover). `Finished` and `Error` are terminal. finish_reason: stop | length
-    | abort | deadline.
+    | abort | deadline | tool_calls.
 
 Error codes
     An `Error` event for a refused request carries the `code` of the `ProtocolError` that
     `decode_request` raised: malformed | schema | unsupported_version | invalid | too_large.
-    The worker picks its own words for other failures (engine_error, max_deliveries, ...).
+    The worker picks its own words for other failures (engine_error, max_deliveries,
+    invalid_grammar, grammar_timeout, grammar_unsatisfiable, tools_unsupported, ...).
 
 Cancel
     ``SET keys.cancel_flag(id) 1 EX <ttl>`` then ``PUBLISH keys.control_channel(model)
@@ -28,8 +27,11 @@ Deadline
 
 Strictness and evolution
 ------------------------
-* Requests are versioned (`v`, required on the wire). A request of another version is refused
-  with `UnsupportedVersion`, naming both versions.
+* Requests are versioned (`v`, required on the wire). This side reads versions 1 and 2; v2 adds
+  the chat features of `producer_sdk.chat` (rich messages, tools, response formats, structured
+  outputs, `ToolCalls` events), and a v1 request that uses one is refused. The SDK writes the
+  lowest version that carries a request, so v1 workers keep serving v1 requests. A request of
+  another version is refused with `UnsupportedVersion`, naming both versions.
 * Requests are decoded strictly: no type coercion, and unknown fields are refused
   (`forbid_unknown_fields`). A worker that silently ignored a field it does not know (say a new
   sampling option) would produce wrong output; refusing is the safe answer. Fields equal to their
@@ -37,7 +39,8 @@ Strictness and evolution
   compatible with older workers for every request that does not use it. The flip side: a
   default value is part of the protocol (the decoder fills it in), so changing one needs a new `v`.
 * Events are decoded strictly for types but ignore unknown fields, so a newer worker may add
-  informative fields without breaking older SDKs; an unknown event `type` is an error.
+  informative fields without breaking older SDKs; an event of an unknown `type` decodes as
+  `UnknownEvent`, which readers skip.
 * Limits (`Limits`) are checked by the SDK before sending and by the worker on intake, with the
   same `validate` function.
 * Nothing here leaks msgspec's exception types: every failure is a `ProtocolError` subclass
@@ -53,11 +56,21 @@ from typing import Any
 
 import msgspec
 
+from producer_sdk.chat import (
+    Message,
+    ResponseFormat,
+    StructuredOutputsParams,
+    Tool,
+    ToolCallDelta,
+    ToolCalls,
+    ToolChoice,
+)
 from producer_sdk.constants import (
     DEFAULT_RESULT_TTL_S,
     FINISH_REASONS,
     PROTOCOL_VERSION,
     ROLES,
+    SUPPORTED_VERSIONS,
 )
 from producer_sdk.contract.keys import lane_for_priority
 from producer_sdk.errors import (
@@ -75,13 +88,6 @@ def now_ms() -> int:
 
 
 # --- request --------------------------------------------------------------------------------------
-
-
-class Message(msgspec.Struct, forbid_unknown_fields=True):
-    """One chat message; rendered by the worker with the model's chat template."""
-
-    role: str
-    content: str
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
@@ -105,6 +111,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # v2: constrained decoding (vLLM's)
 
 
 SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__
@@ -114,7 +121,10 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     """One generation request. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set.
 
     `v` has no default on purpose: it must always be on the wire (omit_defaults would drop it).
-    `add_generation_prompt` only matters for `messages` (passed to the chat template).
+    `add_generation_prompt` only matters for `messages` (passed to the chat template), and so do the
+    v2 fields `tools` (rendered by the chat template), `tool_choice` (default: "auto" with tools) and
+    `parallel_tool_calls` (OpenAI's).
+    `response_format` (v2) constrains the output like `sampling.structured_outputs`.
     """
 
     v: int
@@ -128,6 +138,10 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     deadline_ms: int | None = None
     created_ms: int = 0
     metadata: dict[str, str] = {}
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: a forced call is exactly one call
+    response_format: ResponseFormat | None = None
 
     @property
     def lane(self) -> str:
@@ -161,7 +175,8 @@ class Started(msgspec.Struct, tag="started", tag_field="type", kw_only=True, omi
 
 
 class Tokens(msgspec.Struct, tag="tokens", tag_field="type", kw_only=True, omit_defaults=True):
-    """New tokens of sample `index` (of `n`); `text` is the detokenized delta."""
+    """New tokens of sample `index` (of `n`); `text` is the detokenized delta. In a request with tools,
+    `content` is the part of `text` that is message content (tool-call markup left out)."""
 
     seq: int
     attempt: int = 1
@@ -170,6 +185,7 @@ class Tokens(msgspec.Struct, tag="tokens", tag_field="type", kw_only=True, omit_
     text: str = ""
     logprobs: list[float] | None = None  # one per token id
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (token id, logprob)
+    content: str | None = None
 
 
 class Finished(msgspec.Struct, tag="finished", tag_field="type", kw_only=True, omit_defaults=True):
@@ -189,9 +205,9 @@ class Error(msgspec.Struct, tag="error", tag_field="type", kw_only=True, omit_de
     message: str
 
 
-Event = Started | Tokens | Finished | Error
+Event = Started | Tokens | ToolCalls | Finished | Error
 TERMINAL_EVENTS = (Finished, Error)
-EVENT_TYPES = ("started", "tokens", "finished", "error")
+EVENT_TYPES = ("started", "tokens", "tool_calls", "finished", "error")
 
 
 class UnknownEvent(msgspec.Struct, frozen=True):
@@ -297,7 +313,7 @@ def _raise_if_other_version(data: bytes | bytearray | memoryview) -> None:
         v = msgspec.msgpack.decode(data, type=_Envelope).v
     except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError):
         return
-    if type(v) is int and v != PROTOCOL_VERSION:
+    if type(v) is int and v not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(v, PROTOCOL_VERSION)
 
 
@@ -348,6 +364,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "ROLES",
     "SAMPLING_FIELDS",
+    "SUPPORTED_VERSIONS",
     "TERMINAL_EVENTS",
     "ControlMessage",
     "Error",
@@ -355,10 +372,15 @@ __all__ = [
     "Finished",
     "GenerateRequest",
     "Message",
+    "ResponseFormat",
     "SamplingParams",
     "Started",
+    "StructuredOutputsParams",
     "Timings",
     "Tokens",
+    "Tool",
+    "ToolCallDelta",
+    "ToolCalls",
     "UnknownEvent",
     "Usage",
     "WorkerState",

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgspec
 
+from producer_sdk.chat import ToolCall, ToolCallDelta
 from producer_sdk.protocol import Timings, Usage, WorkerState
 
 
 class Chunk(msgspec.Struct, frozen=True):
-    """New tokens of one sample (`index`), as they arrive."""
+    """New tokens of one sample (`index`), as they arrive. With tools, `content` is the part of `text`
+    that is message content, and a chunk may carry tool-call deltas only (no text): `tool_calls`, whose
+    `arguments` fragments joined per call `index` are that call's arguments."""
 
     text: str
     token_ids: list[int]
@@ -16,20 +22,36 @@ class Chunk(msgspec.Struct, frozen=True):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     seq: int = 0
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+def _parse_json(text: str) -> Any:
+    return json.loads(text)
 
 
 class Choice(msgspec.Struct):
+    """One sample. `content` is `text` without tool-call markup (equal to it for requests without
+    tools); `tool_calls` are the calls parsed from it (None when it made none)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    content: str = ""
+    tool_calls: list[ToolCall] | None = None
+
+    def json(self) -> Any:
+        """The text parsed as JSON (a structured-output answer); raises ValueError when it is not JSON,
+        e.g. cut short by max_tokens (finish_reason "length")."""
+        return _parse_json(self.text)
 
 
 class Completion(msgspec.Struct):
-    """The whole answer. `text`, `token_ids`, `logprobs` are those of sample 0; `choices` holds
-    all `n` samples."""
+    """The whole answer. `text`, `token_ids`, `logprobs`, `content` and `tool_calls` are those of
+    sample 0; `choices` holds all `n` samples."""
 
     request_id: str
     text: str
@@ -41,6 +63,12 @@ class Completion(msgspec.Struct):
     choices: list[Choice] = []
     logprobs: list[float] | None = None
     worker: str | None = None
+    content: str = ""
+    tool_calls: list[ToolCall] | None = None
+
+    def json(self) -> Any:
+        """Sample 0's text parsed as JSON; raises ValueError when it is not JSON (see `Choice.json`)."""
+        return _parse_json(self.text)
 
 
 class QueueStats(msgspec.Struct):

@@ -8,8 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from producer_sdk.constants import PROTOCOL_VERSION, REQUEST_ID_PATTERN, ROLES
+from producer_sdk.constants import PROTOCOL_VERSION, REQUEST_ID_PATTERN, ROLES, SUPPORTED_VERSIONS
 from producer_sdk.errors import UnsupportedVersion, ValidationError
+from producer_sdk.validation_chat import (
+    message_problems,
+    min_version,
+    response_format_problems,
+    structured_problems,
+    tool_problems,
+)
 
 if TYPE_CHECKING:
     from producer_sdk.protocol import GenerateRequest
@@ -33,6 +40,13 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_metadata_key_chars: int = 64
     max_metadata_value_chars: int = 1024
     max_priority: int = 100  # priority in [-max_priority, max_priority]
+    # v2: tools and structured outputs (a grammar is compiled from each schema: these bound its cost)
+    max_tools: int = 128
+    max_schema_bytes: int = 64 * 1024  # a JSON schema (tool parameters, response format), as JSON
+    max_schema_depth: int = 32  # nesting of objects and arrays in a schema
+    max_regex_chars: int = 4096
+    max_grammar_chars: int = 64 * 1024
+    max_choices: int = 256
 
 
 DEFAULT_LIMITS = Limits()
@@ -77,6 +91,8 @@ def sampling_problems(s: Any, lim: Limits):
             yield name, "must be in [-2, 2]"
     if s.logprobs is not None and not 0 <= s.logprobs <= lim.max_logprobs:
         yield "logprobs", f"must be in [0, {lim.max_logprobs}] or None"
+    if s.structured_outputs is not None:
+        yield from structured_problems(s.structured_outputs, lim)
 
 
 def _prompt_problems(r: GenerateRequest, lim: Limits):
@@ -103,11 +119,11 @@ def _prompt_problems(r: GenerateRequest, lim: Limits):
         if not 1 <= len(msgs) <= lim.max_messages:
             yield "messages", f"must hold 1..{lim.max_messages} messages (got {len(msgs)})"
             return
-        for i, m in enumerate(msgs):
-            if m.role not in ROLES:
-                yield f"messages[{i}].role", f"{m.role!r} is not one of {', '.join(ROLES)}"
-                return
-        total = sum(len(m.content) for m in msgs)
+        problems = list(message_problems(msgs, ROLES))
+        yield from problems[:1]
+        if problems:
+            return
+        total = sum(len(m.text) + sum(len(c.function.arguments) for c in m.tool_calls or []) for m in msgs)
         if total > lim.max_prompt_chars:
             yield "messages", f"{total} characters of content, more than the limit {lim.max_prompt_chars}"
 
@@ -131,6 +147,8 @@ def _request_problems(r: GenerateRequest, lim: Limits):
             yield "metadata", f"key {k[:20]!r}... longer than {lim.max_metadata_key_chars} characters"
         elif len(val) > lim.max_metadata_value_chars:
             yield f"metadata.{k}", f"value longer than {lim.max_metadata_value_chars} characters"
+    yield from tool_problems(r, lim)
+    yield from response_format_problems(r, lim)
 
 
 def validate(request: GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
@@ -138,8 +156,15 @@ def validate(request: GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> Gener
 
     Assumes the field types are right (as after `decode_request` or `build_request`).
     """
-    if request.v != PROTOCOL_VERSION:
+    if request.v not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(request.v, PROTOCOL_VERSION)
+    needed = min_version(request)
+    if request.v < needed:
+        raise ValidationError(
+            f"invalid request: v={request.v}: it uses protocol version {needed} features (tools, tool_choice, "
+            "response_format, structured_outputs, rich messages); send v=2",
+            field="v",
+        )
     for field, why in _request_problems(request, limits):
         value = _field_value(request, field)
         shown = f"={_short(value)}" if isinstance(value, (int, float, str)) else ""

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "EngineConfig", "EngineLimits", "EngineSnapshot", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "EngineLimits",
+    "EngineSnapshot",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 _EXPORTS = {
     "LLM": "worker.engine.llm",
@@ -17,6 +26,7 @@ _EXPORTS = {
     "EngineLimits": "worker.engine.stats",
     "EngineSnapshot": "worker.engine.stats",
     "SamplingParams": "worker.engine.sampling_params",
+    "StructuredOutputsParams": "worker.engine.sampling_params",
     "RequestOutput": "worker.engine.outputs",
 }
 
@@ -25,7 +35,7 @@ if TYPE_CHECKING:
     from worker.engine.engine import LLMEngine
     from worker.engine.llm import LLM
     from worker.engine.outputs import RequestOutput
-    from worker.engine.sampling_params import SamplingParams
+    from worker.engine.sampling_params import SamplingParams, StructuredOutputsParams
     from worker.engine.stats import EngineLimits, EngineSnapshot
 
 

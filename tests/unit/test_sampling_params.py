@@ -43,6 +43,7 @@ WIRE = protocol.SamplingParams(
     logprobs=3,
     skip_special_tokens=False,
     include_stop_str_in_output=True,
+    structured_outputs=protocol.StructuredOutputsParams(json={"type": "object"}),
 )
 
 

@@ -10,6 +10,8 @@ from typing import Any
 from worker.options import add_cli_args, from_cli_args
 from worker.options import option as _opt
 
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+
 
 class ConfigError(ValueError):
     """An engine option is invalid; the message names the option and why."""
@@ -59,6 +61,15 @@ class EngineConfig:
     )
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
     max_logprobs: int = _opt(20, "most top logprobs a request may ask for")
+    chat_template: str | None = _opt(
+        None, "a Jinja chat template file used instead of the tokenizer's (e.g. one that renders tools)"
+    )
+    tool_call_parser: str | None = _opt(
+        None, "hermes | llama3_json | mistral: the model's tool-call format (default: detected from the chat template)"
+    )
+    grammar_compile_timeout: float = _opt(
+        10.0, "seconds a structured-output grammar may take to compile before its request fails"
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,6 +108,10 @@ class EngineConfig:
             raise bad("max_long_partial_prefills", "must be at least 1 and at most --max-num-partial-prefills")
         if self.long_prefill_budget is not None and self.long_prefill_budget < 0:
             raise bad("long_prefill_budget", "must be >= 0")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSER_NAMES:
+            raise bad("tool_call_parser", f"choose one of {', '.join(TOOL_PARSER_NAMES)}")
+        if not self.grammar_compile_timeout > 0:
+            raise bad("grammar_compile_timeout", "must be > 0 seconds")
 
     # --- command line ----------------------------------------------------------------------
 

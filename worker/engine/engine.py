@@ -3,7 +3,9 @@
 One step reads as schedule -> execute -> update: the `Scheduler` (scheduler.py) picks the sequences
 and their token counts and hands over their block tables, the `ModelRunner` (model_runner.py) runs
 one forward over that batch and samples, and the `OutputProcessor` (output_processor.py) appends the
-tokens, applies the stops and builds the outputs. Prompts become requests in input_processor.py.
+tokens, applies the stops and builds the outputs. Prompts become requests in input_processor.py;
+requests enter and leave the engine thread's state in lifecycle.py (a grammar-constrained request
+waits there until its grammar has compiled, see structured/).
 
 Thread model: `add_request` / `abort_request` may be called from any thread (they tokenize on the
 caller's thread and queue a command), and so may `snapshot()` and `limits`; everything else, `step()`
@@ -24,20 +26,23 @@ from worker.engine.config import EngineConfig, SchedulerConfig
 from worker.engine.errors import PromptTooLong, RequestError, StepFailed
 from worker.engine.input_processor import InputProcessor, find_eos_token_ids
 from worker.engine.kv_cache import KVCacheManager
+from worker.engine.lifecycle import RequestLifecycle, sample_seed
 from worker.engine.model_runner import ModelRunner, SampleRow
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import RequestOutput
-from worker.engine.request import Request, SeqStatus, Sequence
+from worker.engine.request import Request, Sequence
 from worker.engine.sampler import SamplerOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput, attention_cost_context
 from worker.engine.stats import EngineLimits, EngineSnapshot, EngineStats, SnapshotMaker
+from worker.engine.structured import StructuredOutputManager
+from worker.engine.tool_calling import choose_tool_parser, read_chat_template
 from worker.models.loader import load_model, load_tokenizer
 
 __all__ = ["EngineLimits", "EngineSnapshot", "LLMEngine", "PromptTooLong", "RequestError", "StepFailed"]
 
 
-class LLMEngine:
+class LLMEngine(RequestLifecycle):
     def __init__(self, config: EngineConfig | None = None, **options) -> None:
         self.config = config or EngineConfig(**options)
         cfg = self.config
@@ -45,6 +50,8 @@ class LLMEngine:
             raise ValueError("EngineConfig.model is required")
         loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer)
         self.tokenizer = load_tokenizer(loaded.tokenizer_path, loaded.gguf_file)
+        if cfg.chat_template:
+            self.tokenizer.chat_template = read_chat_template(cfg.chat_template)
         model_limit = int(getattr(loaded.config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.max_model_len or model_limit, model_limit)
         if cfg.max_model_len and cfg.max_model_len > model_limit:
@@ -88,8 +95,20 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         vocab_size = int(loaded.config.vocab_size)
+        self.structured = StructuredOutputManager(
+            self.tokenizer,
+            vocab_size=self.runner.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            compile_timeout=cfg.grammar_compile_timeout,
+        )
+        self.runner.grammar = self.structured
         self.input_processor = InputProcessor(
-            self.tokenizer, vocab_size=vocab_size, max_model_len=self.max_model_len, max_logprobs=cfg.max_logprobs
+            self.tokenizer,
+            vocab_size=vocab_size,
+            max_model_len=self.max_model_len,
+            max_logprobs=cfg.max_logprobs,
+            structured=self.structured,
+            tool_parser=choose_tool_parser(cfg.tool_call_parser, self.tokenizer.chat_template),
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
@@ -108,6 +127,7 @@ class LLMEngine:
             vocab_size=vocab_size,
         )
         self.requests: dict[str, Request] = {}
+        self._compiling: list[Request] = []  # admitted, waiting for their grammar to compile
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._accepted: set[str] = set()  # ids added and not yet finished (any thread may read)
         self._auto_id = itertools.count()
@@ -119,9 +139,13 @@ class LLMEngine:
     # --- requests in (any thread) ------------------------------------------------------------
 
     def encode_prompt(
-        self, prompt: str | None = None, messages: list[dict] | None = None, add_generation_prompt: bool = True
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        return self.input_processor.encode_prompt(prompt, messages, add_generation_prompt)
+        return self.input_processor.encode_prompt(prompt, messages, add_generation_prompt, tools)
 
     def add_request(
         self,
@@ -138,13 +162,19 @@ class LLMEngine:
         resume: Seq[Seq[int]] | None = None,
         isolated: bool = False,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> str:
         """Queue a request for the next step; returns its id. Raises `RequestError` if it cannot run.
 
         `resume` continues a request another worker started: per sample, the output tokens already
         delivered. They are recomputed as context (not sampled again) and count toward max_tokens.
         `isolated` runs the request in steps of its own (a suspect after a failed step).
-        `add_generation_prompt` is passed to the chat template (`messages` only).
+        `add_generation_prompt` is passed to the chat template (`messages` only), and so are `tools`
+        (OpenAI's function tools); `tool_choice` ("none", "auto", "required" or
+        ``{"type": "function", "function": {"name": ...}}``) decides whether calls are parsed and forced;
+        a forced "required" makes one call when `parallel_tool_calls` is False, else one or more.
         """
         request_id = request_id or f"req-{next(self._auto_id)}"
         if request_id in self._accepted:
@@ -157,6 +187,9 @@ class LLMEngine:
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             resume=resume,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
             priority=priority,
             arrival_time=arrival_time,
             deadline=deadline,
@@ -183,29 +216,19 @@ class LLMEngine:
 
     # --- engine thread -----------------------------------------------------------------------
 
-    def discard(self, request_ids: Seq[str]) -> None:
-        """Drop requests at once, silently (no output), freeing their blocks."""
-        for rid in request_ids:
-            req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            for seq in req.seqs:
-                if not seq.finished:
-                    self.scheduler.finish(seq, SeqStatus.FINISHED_ABORTED)
-            self._accepted.discard(rid)
-        self._snapshot = self._snapshots(len(self._accepted))
-
     def step(self) -> list[RequestOutput]:
         """Apply queued commands and deadlines, then schedule -> execute -> update; returns the outputs of
         every request that changed (new tokens, finished). Raises `StepFailed` when the forward raised."""
         started = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
         self._apply_commands(outputs)
+        self._admit_compiled(outputs)
         self._expire_deadlines(outputs)
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
             self._fail_unschedulable(outputs)
+            self._await_compiles()  # nothing else to run: wait a moment for a grammar instead of spinning
         else:
             rows, forks = self._sample_rows(sched)
             result = self._execute(sched, rows, outputs)
@@ -215,72 +238,6 @@ class LLMEngine:
         return list(outputs.values())
 
     # --- schedule: commands, deadlines, forks --------------------------------------------------
-
-    def _apply_commands(self, outputs: dict[str, RequestOutput]) -> None:
-        while True:
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                try:
-                    self._admit(arg, outputs)
-                except Exception as e:  # a request that cannot even start must not stop the engine
-                    arg.error = f"request cannot start: {e!r}"
-                    self.requests[arg.request_id] = arg
-                    self._finish_request(arg, SeqStatus.FINISHED_ABORTED, outputs)
-            elif kind == "abort" and arg in self.requests:
-                self._finish_request(self.requests[arg], SeqStatus.FINISHED_ABORTED, outputs)
-
-    def _admit(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
-        self.requests[req.request_id] = req
-        if req.resume is not None:
-            self._admit_resumed(req, outputs)
-            return
-        seq = req.seqs[0]
-        self._equip(seq, req.sampling_params.seed)
-        self.scheduler.add(seq)
-
-    def _admit_resumed(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
-        """One sequence per sample, each holding the tokens already delivered (no fork: prefix caching
-        shares what the samples have in common); a sample that had already stopped ends here."""
-        req.forked = True
-        req.seqs = []
-        for k, delivered in enumerate(req.resume or []):
-            seq = Sequence(f"{req.request_id}#{k}", req, list(req.prompt_token_ids), index=k)
-            req.seqs.append(seq)
-            self._equip(seq, _sample_seed(req.sampling_params.seed, k))
-            status = self.output_processor.replay(seq, delivered)
-            if status is None:
-                self.scheduler.add(seq)
-            else:
-                seq.status = status
-                self.output_processor.flush(seq)
-        if req.finished:
-            self._emit(req, outputs)
-            self._retire(req)
-
-    def _equip(self, seq: Sequence, seed: int | None) -> None:
-        self.output_processor.attach_detokenizer(seq)
-        if seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-
-    def _fail_unschedulable(self, outputs: dict[str, RequestOutput]) -> None:
-        """Nothing runs, yet the head of the queue was not admitted: it can never fit the KV pool."""
-        if self.scheduler.running or not len(self.scheduler.waiting):
-            return
-        req = self.scheduler.waiting.peek().request
-        need = -(-req.seqs[0].num_tokens // self.kv.block_size)
-        req.error = (
-            f"request needs {need} KV blocks but the pool has {self.kv.num_blocks} "
-            f"({self.kv.watermark_blocks} held back): raise the KV cache size or lower max_tokens"
-        )
-        self._finish_request(req, SeqStatus.FINISHED_ABORTED, outputs)
-
-    def _expire_deadlines(self, outputs: dict[str, RequestOutput]) -> None:
-        now = time.time()
-        for req in [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]:
-            self._finish_request(req, SeqStatus.FINISHED_DEADLINE, outputs)
 
     def _sample_rows(self, sched: SchedulerOutput) -> tuple[list[SampleRow], list[tuple[Sequence, Sequence]]]:
         """Rows to sample this step; a request finishing its prompt with n > 1 forks its samples here
@@ -296,7 +253,7 @@ class LLMEngine:
                 req.forked = True
                 for k in range(1, req.sampling_params.n):
                     child = Sequence(f"{req.request_id}#{k}", req, list(s.seq.token_ids), index=k)
-                    self._equip(child, _sample_seed(req.sampling_params.seed, k))
+                    self._equip(child, sample_seed(req.sampling_params.seed, k))
                     req.seqs.append(child)
                     rows.append(SampleRow(i, child))
                     forks.append((child, s.seq))
@@ -339,18 +296,47 @@ class LLMEngine:
         if result is None:
             return
         seqs = [r.seq for r in rows]
-        statuses = self.output_processor.append_sampled(seqs, result, time.time())
-        self.stats.generation_tokens += len(seqs)
+        refused = self._accept_grammar(seqs, result)
+        statuses = self.output_processor.append_sampled(seqs, result, time.time(), refused)
+        self.stats.generation_tokens += len(seqs) - len(refused)
         touched: dict[str, Request] = {}
-        for seq, status in zip(seqs, statuses, strict=True):
+        for r, (seq, status) in enumerate(zip(seqs, statuses, strict=True)):
+            if r in refused:
+                if not seq.request.finished:
+                    why = "the grammar allows no token the model can write next (the constraint cannot be met)"
+                    self._fail(seq.request, "grammar_unsatisfiable", why, outputs)
+                continue
             if status is not None:
                 self.scheduler.finish(seq, status)
                 self.output_processor.flush(seq)
             touched[seq.request.request_id] = seq.request
         for req in touched.values():
+            if req.request_id not in self.requests:
+                continue  # failed in this step
             self._emit(req, outputs)
             if req.finished:
                 self._retire(req)
+
+    def _accept_grammar(self, seqs: list[Sequence], result: SamplerOutput) -> frozenset[int]:
+        """Advance each constrained sample's matcher; the rows whose grammar allowed no token. Such a row's
+        logits were all -inf (the grammar and min_tokens' suppression of the stop tokens left nothing), so
+        its "sampled" token is one the grammar refuses or a suppressed one."""
+        if not any(s.matcher is not None for s in seqs):
+            return frozenset()
+        tokens = result.token_ids.tolist()
+        refused = set()
+        for r, s in enumerate(seqs):
+            if s.matcher is None:
+                continue
+            p = s.request.sampling_params
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+                suppressed = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                if tokens[r] in suppressed:
+                    refused.add(r)
+                    continue
+            if not self.structured.accept(s, tokens[r]):
+                refused.add(r)
+        return frozenset(refused)
 
     def _count_step(self, sched: SchedulerOutput, seconds: float) -> None:
         st = self.stats
@@ -359,29 +345,3 @@ class LLMEngine:
         st.last_step_seqs = len(sched.scheduled)
         st.last_step_seconds = seconds
         st.last_progress = time.monotonic()
-
-    # --- requests out ------------------------------------------------------------------------
-
-    def _finish_request(self, req: Request, status: SeqStatus, outputs: dict[str, RequestOutput]) -> None:
-        for seq in req.seqs:
-            if not seq.finished:
-                self.scheduler.finish(seq, status)
-                self.output_processor.flush(seq)
-        self._emit(req, outputs)
-        self._retire(req)
-
-    def _retire(self, req: Request) -> None:
-        req.metrics.finished = time.time()
-        for seq in req.seqs:
-            reason = seq.status.finish_reason or "abort"
-            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        self.requests.pop(req.request_id, None)
-        self._accepted.discard(req.request_id)
-
-    def _emit(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
-        outputs[req.request_id] = self.output_processor.make_output(req, outputs.get(req.request_id))
-
-
-def _sample_seed(seed: int | None, index: int) -> int | None:
-    """Sample `index` of a seeded request draws from its own generator (kept in 64 bits)."""
-    return None if seed is None else (seed + index) % 2**64

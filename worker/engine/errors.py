@@ -18,6 +18,25 @@ class PromptTooLong(RequestError):
     code = "prompt_too_long"
 
 
+class GrammarError(RequestError):
+    """A request's output constraint cannot be used: its grammar does not compile (`invalid_grammar`),
+    did not compile within the timeout (`grammar_timeout`), or the model cannot satisfy it
+    (`grammar_unsatisfiable`: every token it could write next is forbidden)."""
+
+    code = "invalid_grammar"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class ToolsUnsupported(RequestError):
+    """A request with tools for a worker that knows no tool-call format for its model."""
+
+    code = "tools_unsupported"
+
+
 class StepFailed(RuntimeError):
     """The forward of one step raised. `request_ids` were in that step (one of them may be a poison
     request); `outputs` are what the step produced before it failed (deadlines, aborts). The engine is

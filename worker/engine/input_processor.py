@@ -1,19 +1,24 @@
 """Input processing: from what a caller submits to a validated `Request` the engine can schedule.
 
-Tokenizes a prompt or renders a chat with the model's chat template, checks the prompt against the
-vocabulary and `max_model_len`, and the request-level limits the sampling parameters cannot know
-(`max_logprobs`, resumed samples). Runs on the caller's thread: it reads no engine state.
+Tokenizes a prompt or renders a chat (and its tools) with the model's chat template, checks the prompt
+against the vocabulary and `max_model_len`, and the request-level limits the sampling parameters cannot
+know (`max_logprobs`, resumed samples). A constrained request (structured outputs, a forced tool call)
+has its grammar compile started here. Runs on the caller's thread: it reads no engine state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from worker.engine.errors import PromptTooLong, RequestError
 from worker.engine.request import Request
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.structured import StructuredOutputManager, spec_from_params
+from worker.engine.tool_calling import require_parser, template_messages, tool_grammar
+from worker.engine.tool_parsers import ToolParser
 
 
 def find_eos_token_ids(tokenizer_path: str, model_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -38,16 +43,35 @@ def _as_list(eos: int | list[int] | None) -> list[int]:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_logprobs: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_logprobs: int,
+        structured: StructuredOutputManager | None = None,
+        tool_parser: type[ToolParser] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
+        self.structured = structured
+        self.tool_parser = tool_parser
+        # Markup of the tool-call format that is a single special token of this tokenizer: kept in the
+        # text (skip_special_tokens off) and matched as a token by the grammar.
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+        self.token_markers = frozenset(m for m in (tool_parser.markers if tool_parser else ()) if m in special)
 
     def encode_prompt(
-        self, prompt: str | None = None, messages: list[dict] | None = None, add_generation_prompt: bool = True
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """Token ids of a text prompt, or of a chat rendered with the model's chat template."""
+        """Token ids of a text prompt, or of a chat (and its tools) rendered with the chat template."""
         if messages is None:
             if prompt is None:
                 raise RequestError("no prompt: pass a prompt, prompt_token_ids or messages")
@@ -59,7 +83,7 @@ class InputProcessor:
         # (its own raise_exception on bad roles, a sandbox violation) is this request's error.
         try:
             rendered = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                template_messages(messages), tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as e:
             raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from e
@@ -75,20 +99,28 @@ class InputProcessor:
         messages: list[dict] | None = None,
         add_generation_prompt: bool = True,
         resume: Sequence[Sequence[int]] | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
         **request_options: Any,
     ) -> Request:
         """A `Request` ready to queue, or `RequestError`. `request_options` go to `Request` as they are."""
         if prompt is not None and not isinstance(prompt, str):
             prompt_token_ids, prompt = list(prompt), None
+        parser = None
+        if tools and tool_choice != "none":
+            parser = require_parser(self.tool_parser)
+            if self.token_markers and params.skip_special_tokens:
+                params = replace(params, skip_special_tokens=False)
         if prompt_token_ids is None:
-            prompt_token_ids = self.encode_prompt(prompt, messages, add_generation_prompt)
+            prompt_token_ids = self.encode_prompt(prompt, messages, add_generation_prompt, tools)
         ids = list(prompt_token_ids)
         self._check_prompt(request_id, ids)
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise RequestError(f"request {request_id}: logprobs={params.logprobs} > max_logprobs")
         if resume is not None and len(resume) != params.n:
             raise RequestError(f"request {request_id}: resume holds {len(resume)} samples, n={params.n}")
-        return Request(
+        req = Request(
             request_id,
             ids,
             params,
@@ -96,6 +128,30 @@ class InputProcessor:
             resume=[list(r) for r in resume] if resume is not None else None,
             **request_options,
         )
+        self._constrain(req, parser, tools, tool_choice, parallel_tool_calls)
+        return req
+
+    def _constrain(
+        self,
+        req: Request,
+        parser: type[ToolParser] | None,
+        tools: list[dict] | None,
+        tool_choice: str | dict | None,
+        parallel: bool,
+    ) -> None:
+        """Tools to parse and the grammar to follow; the grammar's compile starts now."""
+        req.tools, req.tool_parser = tools, parser
+        spec = None
+        if req.sampling_params.structured_outputs is not None:
+            if parser is not None:
+                raise RequestError("structured_outputs and tools both constrain the output: use one")
+            spec = spec_from_params(req.sampling_params.structured_outputs)
+        elif parser is not None and tools:
+            spec = tool_grammar(parser, tools, tool_choice, self.token_markers, parallel=parallel)
+        if spec is not None:
+            if self.structured is None:
+                raise RequestError("this engine has no structured-output support")
+            self.structured.prepare(req, spec)
 
     def _check_prompt(self, request_id: str, ids: list[int]) -> None:
         if not ids:

@@ -28,11 +28,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
-        A prompt is a string, a list of token ids, or a chat (a list of {"role", "content"} dicts,
-        rendered with the model's chat template).
+        A prompt is a string, a list of token ids, or a chat (a list of OpenAI-style message dicts,
+        rendered with the model's chat template, with `tools` if given; `tool_choice` as in
+        `LLMEngine.add_request`).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]  # one prompt
@@ -47,7 +51,16 @@ class LLM:
         ids = []
         for prompt, p in zip(prompts, params, strict=True):
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                ids.append(self.engine.add_request(None, params=p, messages=prompt))
+                ids.append(
+                    self.engine.add_request(
+                        None,
+                        params=p,
+                        messages=prompt,
+                        tools=tools,
+                        tool_choice=tool_choice,
+                        parallel_tool_calls=parallel_tool_calls,
+                    )
+                )
             else:
                 ids.append(self.engine.add_request(None, prompt, p))
         return self._run(ids, use_tqdm)

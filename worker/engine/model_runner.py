@@ -29,6 +29,7 @@ from worker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, Samplin
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import SchedulerOutput
 from worker.engine.step_inputs import StepBatch, build_step_batch, pad_decode, warm_up_batch
+from worker.engine.structured import StructuredOutputManager, xgrammar_available
 from worker.engine.transfer import Uploader, to_host
 from worker.models.loader import LoadedModel
 
@@ -88,6 +89,7 @@ class ModelRunner:
         self.uploader.reserve({np.int64: 3 * tokens + seqs, np.int32: 2 * seqs + 1 + seqs * self.max_blocks_per_seq})
         self.decode_graphs: DecodeGraphs | None = None
         self.cuda_graphs = False  # decode-only steps replay captured CUDA graphs
+        self.grammar: StructuredOutputManager | None = None  # the engine's; fills each step's bitmask
         self._warm_up()
         if self.device.type == "cuda" and not enforce_eager and backend_for(self.kv_cache) == "triton":
             self.capture_decode_graphs()
@@ -194,7 +196,11 @@ class ModelRunner:
         )
         gen = torch.Generator(device=self.device).manual_seed(0)
         rows = [SamplingRow(greedy), SamplingRow(spiced, (1, 2), (3,), gen)]
-        out = self.sampler(logits, SamplingBatch.build(rows, device=self.device, vocab_size=self.vocab_size))
+        mask = None
+        if xgrammar_available():  # the bitmask kernel (Triton on CUDA), on row 1 only: all tokens allowed
+            mask = (torch.full((2, -(-self.vocab_size // 32)), -1, dtype=torch.int32), [1])
+        batch = SamplingBatch.build(rows, device=self.device, vocab_size=self.vocab_size, bitmask=mask)
+        out = self.sampler(logits, batch)
         to_host([out.token_ids, out.top_token_ids, out.logprobs, out.top_logprobs])
 
     def capture_decode_graphs(self, *, capture: bool = True) -> None:
@@ -304,6 +310,8 @@ class ModelRunner:
                 )
             )
         suppress = min_tokens_suppression(sampling_rows, self.eos_token_ids)
+        # The grammars' bitmask is filled here, on the host, while the device runs the forward.
+        mask = self.grammar.fill([r.seq for r in rows]) if self.grammar is not None else None
         return SamplingBatch.build(
-            sampling_rows, device=self.device, suppress=suppress or None, vocab_size=self.vocab_size
+            sampling_rows, device=self.device, suppress=suppress or None, vocab_size=self.vocab_size, bitmask=mask
         )

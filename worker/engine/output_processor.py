@@ -1,8 +1,9 @@
 """Output processing: sampled tokens in, stop decisions and `RequestOutput`s out.
 
 Each sequence carries an incremental detokenizer; a new token is fed to it, vLLM's stop rules are
-applied (EOS, stop token ids, stop strings, max_tokens, max_model_len), and a request's output for
-a step holds what each of its samples added since the last one handed out (token ids, text, logprobs).
+applied (EOS, stop token ids, stop strings, max_tokens, max_model_len, a completed grammar), and a
+request's output for a step holds what each of its samples added since the last one handed out (token
+ids, text, logprobs, and for a request with tools the content and tool-call deltas its parser found).
 """
 
 from __future__ import annotations
@@ -22,14 +23,19 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def attach_detokenizer(self, seq: Sequence) -> None:
+        """The sequence's detokenizer, and its tool-call parser when the request has tools."""
         req = seq.request
         seq.detokenizer = IncrementalDetokenizer.from_sampling_params(
             self.tokenizer, req.prompt_token_ids, req.sampling_params
         )
+        if req.tool_parser is not None:
+            seq.tool_parser = req.tool_parser(req.request_id, seq.index)
 
-    def append_sampled(self, seqs: list[Sequence], result: SamplerOutput, now: float) -> list[SeqStatus | None]:
+    def append_sampled(
+        self, seqs: list[Sequence], result: SamplerOutput, now: float, skip: frozenset[int] = frozenset()
+    ) -> list[SeqStatus | None]:
         """Append each row's sampled token (and logprobs) to its sequence; per row, the status it
-        finishes with, or None if it goes on."""
+        finishes with, or None if it goes on. Rows in `skip` (refused by their grammar) are left out."""
         tokens = result.token_ids.tolist()
         lp = top_ids = top_lp = None
         if result.logprobs is not None:
@@ -38,6 +44,9 @@ class OutputProcessor:
             top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         statuses = []
         for r, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            if r in skip:
+                statuses.append(None)
+                continue
             seq.token_ids.append(token)
             _record_token_time(seq, now)
             k = seq.request.sampling_params.logprobs
@@ -61,6 +70,8 @@ class OutputProcessor:
         if seq.detokenizer.stopped:
             seq.stop_reason = seq.detokenizer.stop_reason
             return SeqStatus.FINISHED_STOPPED
+        if seq.matcher is not None and seq.matcher.is_terminated():  # the grammar took its stop token
+            return SeqStatus.FINISHED_STOPPED
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return SeqStatus.FINISHED_LENGTH
         if seq.num_tokens >= self.max_model_len:
@@ -75,6 +86,8 @@ class OutputProcessor:
         for token in delivered:
             seq.token_ids.append(token)
             status = self.check_stop(seq, token)
+        if seq.tool_parser is not None:  # its deltas were delivered with those tokens
+            seq.tool_parser.feed(seq.pending_text)
         seq.pending_text = ""
         seq.num_emitted = seq.logprob_offset = seq.num_output_tokens
         return status
@@ -101,7 +114,7 @@ class OutputProcessor:
                 index=seq.index,
                 text=seq.detokenizer.output_text if seq.detokenizer else "",
                 token_ids=list(seq.output_token_ids),
-                finish_reason=seq.status.finish_reason,
+                finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 delta_token_ids=(old.delta_token_ids if old else []) + new_ids,
                 delta_text=(old.delta_text if old else "") + delta,
@@ -111,6 +124,8 @@ class OutputProcessor:
                 out.logprobs, out.top_logprobs = list(seq.logprobs), list(seq.top_logprobs)
                 out.delta_logprobs = (old.delta_logprobs if old else []) + seq.logprobs[lp_start:]
                 out.delta_top_logprobs = (old.delta_top_logprobs if old else []) + seq.top_logprobs[lp_start:]
+            if seq.tool_parser is not None:
+                _parse_tools(seq, delta, out, old)
             completions.append(out)
         return RequestOutput(
             request_id=req.request_id,
@@ -120,7 +135,22 @@ class OutputProcessor:
             finished=req.finished,
             metrics=req.metrics,
             error=req.error,
+            error_code=req.error_code,
         )
+
+
+def _parse_tools(seq: Sequence, delta: str, out: CompletionOutput, old: CompletionOutput | None) -> None:
+    """Feed the step's text to the sample's tool-call parser (and flush it once the sample ended)."""
+    parser = seq.tool_parser
+    assert parser is not None
+    parsed = parser.feed(delta)
+    if seq.finished:
+        tail = parser.finish()
+        parsed.content += tail.content
+    out.content = parser.content
+    out.tool_calls = parser.tool_calls() or None
+    out.delta_content = ((old.delta_content or "") if old else "") + parsed.content
+    out.delta_tool_calls = (old.delta_tool_calls if old else []) + parsed.tool_calls
 
 
 def _record_token_time(seq: Sequence, now: float) -> None:

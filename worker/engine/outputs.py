@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from producer_sdk.chat import ToolCall, ToolCallDelta
 from worker.engine.request import RequestMetrics
 
 
@@ -12,7 +13,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # stop | length | abort | deadline
+    finish_reason: str | None = None  # stop | length | abort | deadline | tool_calls
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -21,6 +22,13 @@ class CompletionOutput:
     delta_text: str = ""
     delta_logprobs: list[float] | None = None
     delta_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Requests with tools: `text` without tool-call markup, and the calls parsed from it (the last one
+    # partial when max_tokens cut it); per step, the content added and the calls' deltas (id and name
+    # once, argument fragments).
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    delta_content: str | None = None
+    delta_tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -36,6 +44,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed inside the engine (finish_reason abort)
+    error_code: str | None = None  # a short word for `error` (invalid_grammar, grammar_unsatisfiable, ...)
 
     @property
     def num_cached_tokens(self) -> int:

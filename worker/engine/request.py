@@ -14,14 +14,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
     from worker.engine.detokenizer import IncrementalDetokenizer
+    from worker.engine.tool_parsers import ToolParser
 
 
 class SeqStatus(enum.Enum):
@@ -94,6 +97,15 @@ class Sequence:
         self.logprob_offset = 0  # output tokens without logprobs (delivered by a previous worker)
         self.num_emitted = 0  # output tokens already handed out in RequestOutputs
         self.pending_text = ""  # detokenized text not yet handed out
+        self.matcher: Any = None  # its xgrammar GrammarMatcher, when the request is constrained
+        self.tool_parser: ToolParser | None = None  # when the request has tools to parse
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's reasons, and "tool_calls" for a sample that stopped after writing tool calls."""
+        if self.status == SeqStatus.FINISHED_STOPPED and self.tool_parser and self.tool_parser.num_complete:
+            return "tool_calls"
+        return self.status.finish_reason
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +156,11 @@ class Request:
         self.seqs: list[Sequence] = [Sequence(f"{request_id}#0", self, list(prompt_token_ids))]
         self.forked = sampling_params.n == 1
         self.error: str | None = None  # why the engine gave up on it, when it did
+        self.error_code: str | None = None  # a short word for it (default: engine_error)
+        self.grammar: Future | None = None  # the compile of its output constraint, when it has one
+        self.grammar_deadline = 0.0  # time.monotonic() by which the grammar must have compiled
+        self.tools: list[dict[str, Any]] | None = None  # rendered into the prompt; parsed in the output
+        self.tool_parser: type[ToolParser] | None = None
         self.resume = resume  # per sample, tokens a previous worker delivered
         self.isolated = isolated  # scheduled in steps of its own (suspected of failing a step)
 

@@ -2,6 +2,9 @@
 
 Per row, in this order, all in float32:
 
+0. grammar-constrained rows (structured outputs) get the tokens their grammar forbids masked to -inf,
+   for the whole batch in one xgrammar kernel call, before anything else reads the logits (so the
+   logprobs and the greedy argmax see the mask too).
 1. logprobs (when asked) are taken from the *raw* logits: ``log_softmax(logits)`` before any penalty,
    temperature or filter, as vLLM does by default ("raw_logprobs").
 2. suppressed tokens (``min_tokens``: EOS / stop token ids of rows that must not stop yet) -> -inf.
@@ -30,6 +33,7 @@ import torch
 from torch import Tensor
 
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.structured.bitmask import apply_bitmask
 from worker.engine.transfer import to_device
 
 _NEG_INF = float("-inf")
@@ -74,6 +78,8 @@ class SamplingBatch:
     unseeded: Tensor | None  # [R] int64: random rows drawing from the default generator (mixed case)
     num_logprobs: list[int | None]  # per row, as requested
     max_num_logprobs: int | None  # None: no row wants logprobs
+    bitmask: Tensor | None = None  # [B, ceil(V / 32)] int32 on the device: the grammars' allowed tokens
+    bitmask_rows: Tensor | None = None  # int32: the constrained rows (None: every row)
 
     @property
     def plain_greedy(self) -> bool:
@@ -88,6 +94,7 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
         suppress: Iterable[tuple[int, Sequence[int]]] | None = None,
         vocab_size: int | None = None,
+        bitmask: tuple[Tensor, list[int]] | None = None,
     ) -> SamplingBatch:
         """Gather per-row parameters into tensors on `device` (copied from pinned memory without blocking
         the host, on CUDA).
@@ -95,6 +102,7 @@ class SamplingBatch:
         `suppress`: (row, token ids) pairs masked to -inf for this step, e.g. EOS and stop token ids of
         rows still under `min_tokens` (see `min_tokens_suppression`). Token ids >= vocab are ignored;
         given `vocab_size` they are dropped here, on the host, and the sampler needs no device sync.
+        `bitmask`: the step's grammar bitmask on the host (a row per row) and the constrained rows.
         """
         params = [r.params for r in rows]
         n = len(rows)
@@ -128,6 +136,11 @@ class SamplingBatch:
 
         logprobs = [p.logprobs for p in params]
         wanted = [k for k in logprobs if k is not None]
+        mask = mask_rows = None
+        if bitmask is not None:
+            mask = to_device(bitmask[0], device)
+            if len(bitmask[1]) < n:
+                mask_rows = to_device(torch.tensor(bitmask[1], dtype=torch.int32), device)
         return cls(
             num_rows=n,
             all_greedy=all_greedy,
@@ -144,6 +157,8 @@ class SamplingBatch:
             unseeded=unseeded,
             num_logprobs=logprobs,
             max_num_logprobs=max(wanted) if wanted else None,
+            bitmask=mask,
+            bitmask_rows=mask_rows,
         )
 
 
@@ -307,6 +322,8 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {batch.num_rows} rows")
+        if batch.bitmask is not None:
+            apply_bitmask(logits, batch.bitmask, batch.bitmask_rows)
         if batch.num_rows == 0:
             token_ids = torch.empty(0, dtype=torch.int64, device=logits.device)
         elif batch.plain_greedy:

@@ -9,10 +9,11 @@ service turns into these with `SamplingParams.from_wire`, and both are checked b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from producer_sdk.chat import StructuredOutputsParams
 from producer_sdk.validation import Limits, sampling_problems
 
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ ENGINE_LIMITS = Limits(
     max_stop_token_ids=_UNBOUNDED,
     max_logprobs=_UNBOUNDED,
 )
+
+
+__all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
 
 
 class SamplingParamsError(ValueError):
@@ -55,14 +59,23 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's constrained decoding: StructuredOutputsParams(json=schema | regex= | choice= | grammar= |
+    # json_object=True), or the same as a dict
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = msgspec.convert(self.structured_outputs, StructuredOutputsParams)
+            except msgspec.ValidationError as e:
+                raise SamplingParamsError(f"structured_outputs: {e}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         for name, why in sampling_problems(self, ENGINE_LIMITS):
-            raise SamplingParamsError(f"{name}={getattr(self, name)!r}: {why}")
+            shown = f"={getattr(self, name)!r}" if hasattr(self, name) else ""
+            raise SamplingParamsError(f"{name}{shown}: {why}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import redis.asyncio as aioredis
 
+from producer_sdk.chat import structured_outputs_for
 from producer_sdk.contract import keys
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD
 from producer_sdk.contract.redis_errors import is_transient
@@ -194,15 +196,18 @@ class Admission:
 
     def _add(self, rec: InFlight, isolated: bool) -> None:
         req = rec.request
-        messages = [{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None
+        messages = [msgspec.to_builtins(m) for m in req.messages] if req.messages else None
         arrival = req.created_ms / 1000 if req.created_ms else None
         resume = None
         if rec.delivered:
             resume = [*rec.delivered, *([] for _ in range(req.sampling.n - len(rec.delivered)))]
+        params = SamplingParams.from_wire(req.sampling)
+        if req.response_format is not None:  # v2: OpenAI's response_format is a structured-output constraint
+            params.structured_outputs = structured_outputs_for(req.response_format)
         self.engine.add_request(
             req.request_id,
             req.prompt,
-            SamplingParams.from_wire(req.sampling),
+            params,
             prompt_token_ids=req.prompt_token_ids,
             messages=messages,
             add_generation_prompt=req.add_generation_prompt,
@@ -211,6 +216,9 @@ class Admission:
             arrival_time=min(arrival, time.time()) if arrival else None,
             resume=resume,
             isolated=isolated,
+            tools=[t.as_openai() for t in req.tools] if req.tools is not None else None,
+            tool_choice=msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None,
+            parallel_tool_calls=req.parallel_tool_calls,
         )
 
     async def dead_letter(self, rec: InFlight, code: str, message: str) -> None:

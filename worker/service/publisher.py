@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from producer_sdk.chat import ToolCallDelta
 from producer_sdk.contract import scripts
 from producer_sdk.contract.redis_errors import is_connection_error, is_transient
-from producer_sdk.protocol import Error, Finished, Started, Timings, Tokens, Usage, encode_event
+from producer_sdk.protocol import Error, Finished, Started, Timings, Tokens, ToolCalls, Usage, encode_event
 from worker.engine.outputs import RequestOutput
 from worker.service.inflight import InFlight, InFlightTable
 from worker.service.logging import get_logger
@@ -43,6 +44,8 @@ class _Pending:
     text: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, list[float]] = field(default_factory=dict)
     top_logprobs: dict[int, list] = field(default_factory=dict)
+    content: dict[int, str] = field(default_factory=dict)  # requests with tools: text without markup
+    tool_calls: dict[int, list[ToolCallDelta]] = field(default_factory=dict)
     final: RequestOutput | None = None
 
 
@@ -132,6 +135,10 @@ class Publisher:
                     if c.delta_logprobs is not None:
                         p.logprobs.setdefault(c.index, []).extend(c.delta_logprobs)
                         p.top_logprobs.setdefault(c.index, []).extend(c.delta_top_logprobs or [])
+                    if c.delta_content is not None:
+                        p.content[c.index] = p.content.get(c.index, "") + c.delta_content
+                    if c.delta_tool_calls:
+                        p.tool_calls.setdefault(c.index, []).extend(c.delta_tool_calls)
                 if out.finished:
                     p.final = out
         return list(merged.values())
@@ -144,7 +151,7 @@ class Publisher:
         if not rec.started:
             events.append(Started(seq=seq, worker=self.consumer, attempt=attempt))
             seq += 1
-        for index in sorted(set(p.tokens) | set(p.text)):
+        for index in sorted(set(p.tokens) | set(p.text) | set(p.tool_calls)):
             lps = p.logprobs.get(index)
             events.append(
                 Tokens(
@@ -155,9 +162,13 @@ class Publisher:
                     text=p.text.get(index, ""),
                     logprobs=lps,
                     top_logprobs=p.top_logprobs.get(index) if lps is not None else None,
+                    content=p.content.get(index),
                 )
             )
             seq += 1
+            if index in p.tool_calls:  # parsed from the text of the Tokens event just before
+                events.append(ToolCalls(seq=seq, attempt=attempt, index=index, tool_calls=p.tool_calls[index]))
+                seq += 1
         final = p.final is not None and rec.live
         if final:
             events.append(self._final_event(rec, p.final, seq))
@@ -166,7 +177,7 @@ class Publisher:
     @staticmethod
     def _final_event(rec: InFlight, out: RequestOutput, seq: int) -> Finished | Error:
         if out.error:
-            return Error(seq=seq, attempt=rec.attempt, code="engine_error", message=out.error)
+            return Error(seq=seq, attempt=rec.attempt, code=out.error_code or "engine_error", message=out.error)
         m = out.metrics
         ms = lambda s: None if s is None else round(s * 1000, 3)
         completion = sum(len(c.token_ids) for c in out.outputs)  # cumulative, resumed tokens included
@@ -292,8 +303,9 @@ class Publisher:
     def _record_finish(self, rec: InFlight, out: RequestOutput) -> None:
         m, met = out.metrics, self.metrics
         if out.error:
-            met.labels(met.requests_failed, code="engine_error").inc()
-            self.log.warning("request failed", request_id=rec.request_id, code="engine_error", error=out.error)
+            code = out.error_code or "engine_error"
+            met.labels(met.requests_failed, code=code).inc()
+            self.log.warning("request failed", request_id=rec.request_id, code=code, error=out.error)
             return
         reason = out.outputs[0].finish_reason or "abort"
         met.labels(met.requests_finished, finished_reason=reason).inc()
