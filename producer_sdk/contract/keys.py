@@ -69,6 +69,12 @@ def cancel_flag(request_id: str) -> str:
     return f"{PREFIX}:cancel:{request_id}"
 
 
+def gateway_record(request_id: str) -> str:
+    """What an HTTP gateway keeps of a request it took (model, kind, n, ...), so that any gateway can
+    resume or fetch it; expires with the result."""
+    return f"{PREFIX}:gw:{request_id}"
+
+
 def submitted_marker(request_id: str) -> str:
     """Set (NX, with TTL) by the enqueue script: makes resubmitting the same request id a no-op."""
     return f"{PREFIX}:req:{request_id}"

@@ -14,12 +14,7 @@ import uuid
 import msgspec
 
 from producer_sdk.constants import REQUEST_ID_PATTERN
-from producer_sdk.contract.keys import PREFIX
-
-
-def record_key(request_id: str) -> str:
-    """The gateway's record of a request (next to `keys.response_stream` and `keys.submitted_marker`)."""
-    return f"{PREFIX}:gw:{request_id}"
+from producer_sdk.contract.keys import gateway_record as record_key
 
 
 class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
