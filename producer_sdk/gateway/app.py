@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from producer_sdk.client import AsyncClient
 from producer_sdk.constants import REQUEST_ID_PATTERN
+from producer_sdk.contract import keys
 from producer_sdk.contract.connection import client_options
 from producer_sdk.errors import DeadlineExceeded, PagedqError
 from producer_sdk.gateway import errors, mapping, records
@@ -151,13 +152,13 @@ class Gateway:
         handle, stored = await asyncio.gather(
             client.submit(request_id=rid, deadline=deadline, **submit),
             self.redis.set(
-                records.record_key(rid), records.encode(record), px=int(self.config.result_ttl_s * 1000), nx=True
+                keys.gateway_record(rid), records.encode(record), px=int(self.config.result_ttl_s * 1000), nx=True
             ),
             return_exceptions=True,
         )
         if isinstance(handle, BaseException):
             if stored is True:
-                await self.redis.delete(records.record_key(rid))
+                await self.redis.delete(keys.gateway_record(rid))
             if isinstance(handle, PagedqError):
                 raise errors.from_sdk(
                     handle, param_of=lambda f: mapping.param_of(m, f), retry_after_s=self.config.retry_after_s
@@ -166,7 +167,7 @@ class Gateway:
         if isinstance(stored, BaseException):
             raise stored
         if handle.duplicate and stored is not True:
-            earlier = records.decode(await self.redis.get(records.record_key(rid)))
+            earlier = records.decode(await self.redis.get(keys.gateway_record(rid)))
             if earlier is not None:
                 created = earlier.created
         renderer = Renderer(kind, rid, m.model, created, include_usage=m.include_usage)
@@ -207,7 +208,7 @@ class Gateway:
         rid = request_id_of(kind, given)
         record = None
         if REQUEST_ID_PATTERN.fullmatch(rid):
-            record = records.decode(await self.redis.get(records.record_key(rid)))
+            record = records.decode(await self.redis.get(keys.gateway_record(rid)))
         if record is None or record.kind != kind or (self.keys is not None and record.tenant != caller.tenant):
             raise errors.not_found(f"No {kind} completion with id {given!r} (or it expired).")
         stream = request.query_params.get("stream", "false").lower() == "true"

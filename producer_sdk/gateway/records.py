@@ -14,7 +14,6 @@ import uuid
 import msgspec
 
 from producer_sdk.constants import REQUEST_ID_PATTERN
-from producer_sdk.contract.keys import gateway_record as record_key
 
 
 class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
