@@ -175,8 +175,9 @@ def apply_time(engine, rows: int, repeats: int = 50) -> dict:
 
     from worker.engine.structured.bitmask import apply_bitmask
 
-    vocab = engine.runner.vocab_size
-    logits = torch.randn(rows, vocab, device=engine.runner.device, dtype=engine.runner.dtype)
+    lim = engine.limits
+    vocab = lim.vocab_size
+    logits = torch.randn(rows, vocab, device=lim.device, dtype=getattr(torch, lim.dtype))
     mask = torch.randint(-(2**31), 2**31 - 1, (rows, -(-vocab // 32)), dtype=torch.int32, device=logits.device)
     sync = torch.cuda.synchronize if logits.device.type == "cuda" else (lambda: None)
     apply_bitmask(logits, mask, None)
