@@ -52,7 +52,9 @@ def test_dry_run_passes_every_section(tmp_path):
     assert all(r["decode_tokens_per_s"] > 0 and r["share_of_bandwidth_bound"] > 0 for r in rows)
     assert not sections["d_throughput"]["results"]["cuda_graphs_available"]  # never captured on CPU
     # Without --enforce-eager every timed decode step went through the graph path (run eagerly here).
-    assert all(r["graph_replays"] == (0 if r["enforce_eager"] else r["decode_steps_timed"]) for r in rows)
+    # (A step whose outputs still lack a first token may be a pure decode too: replays can exceed the count.)
+    assert all(r["graph_replays"] == 0 for r in rows if r["enforce_eager"])
+    assert all(r["graph_replays"] >= r["decode_steps_timed"] > 0 for r in rows if not r["enforce_eager"])
     assert all(r["requests_with_eager_tokens"] == 1.0 for r in rows if not r["enforce_eager"])  # fp32
     builds = sections["d_throughput"]["results"]["engine_build"]
     assert [(b["enforce_eager"], b["graph_buckets"]) for b in builds] == [(True, []), (False, [1, 2])]
