@@ -265,7 +265,7 @@ def test_concurrent_admissions_share_one_tokenizer(llama_dir, aof_redis):
     """Many text and chat requests at once: tokenization (one dedicated thread) never fails or mixes them up."""
     rng = random.Random(5)
     words = ["alpha", "beta", "gamma", "delta", "pagedq", "redis", "stream", "token", "émoji", "日本"]
-    texts = {f"tok-{i:04d}": " ".join(rng.choice(words) for _ in range(rng.randint(5, 300))) for i in range(120)}
+    texts = {f"tok-{i:04d}": " ".join(rng.choice(words) for _ in range(rng.randint(5, 300))) for i in range(64)}
     llm = LLM(model=str(llama_dir), dtype="float32", device="cpu")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = {

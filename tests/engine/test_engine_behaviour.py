@@ -223,21 +223,13 @@ def test_smollm2_greedy_equals_transformers(smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     texts = [
         "The capital of France is",
-        "Write a haiku about the sea.",
         "def fibonacci(n):",
-        "List three uses of Redis:",
         "解释一下什么是注意力机制。",
-        "Once upon a time, in a small village,",
         "The key idea of paged attention is",
         "Q: What is 17 times 3?\nA:",
-        "Translate to French: I like cheese.",
-        "The three primary colors are",
         "Continuous batching improves throughput because",
-        "A short poem about autumn leaves:",
         "import numpy as np\n",
         "Emoji story: 🚀🌕",
-        "The difference between a process and a thread is",
-        "Rust and Go are both",
     ]
     prompts = [tok(t).input_ids for t in texts]
     want = hf_greedy(smollm2_dir, prompts, 64)
