@@ -16,7 +16,7 @@ from tests.service.worker_proc import WorkerProc
 from worker.models.chat_templates import HERMES_TOOLS
 
 STEP_DELAY_S = "0.01"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 1024  # a chat with a tool: about 500 prompt tokens of the tiny tokenizer
 
 
 @pytest.fixture(scope="package")
