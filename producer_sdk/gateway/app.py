@@ -156,13 +156,20 @@ class Gateway:
             ),
             return_exceptions=True,
         )
+
+        def api_error(e: PagedqError) -> errors.ApiError:
+            return errors.from_sdk(
+                e,
+                param_of=lambda f: mapping.param_of(m, f),
+                failure_param=m.failure_param,
+                retry_after_s=self.config.retry_after_s,
+            )
+
         if isinstance(handle, BaseException):
             if stored is True:
                 await self.redis.delete(keys.gateway_record(rid))
             if isinstance(handle, PagedqError):
-                raise errors.from_sdk(
-                    handle, param_of=lambda f: mapping.param_of(m, f), retry_after_s=self.config.retry_after_s
-                )
+                raise api_error(handle)
             raise handle
         if isinstance(stored, BaseException):
             raise stored
@@ -174,9 +181,12 @@ class Gateway:
         cancel = None if resumable else self._canceller(client, rid)
         reply_headers = {"pagedq-request-id": rid}
         if m.stream:
-            frames = sse_frames(Reading(handle), renderer, n=n, on_first_token=clock.first_byte)
+            frames = sse_frames(Reading(handle), renderer, n=n, on_first_token=clock.first_byte, api_error=api_error)
             return EventStream(frames, metrics=self.metrics, on_disconnect=cancel, headers=reply_headers)
-        ok, done = await until_done_or_gone(Reading(handle).result(), request.receive)
+        try:
+            ok, done = await until_done_or_gone(Reading(handle).result(), request.receive)
+        except PagedqError as e:
+            raise api_error(e) from None
         if not ok:
             if cancel is not None:
                 await cancel()

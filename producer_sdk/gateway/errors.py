@@ -3,9 +3,27 @@ that says what went wrong, and the mapping from the SDK's typed errors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from producer_sdk import errors as sdk
+
+# Codes of a worker's error event that say the request itself is wrong (a 400, not a 500): the
+# protocol's own, a prompt over the model's length, an output constraint that cannot be used, tools
+# for a model without a tool-call format.
+CLIENT_ERROR_CODES = (
+    "invalid",
+    "schema",
+    "too_large",
+    "malformed",
+    "invalid_request",
+    "prompt_too_long",
+    "invalid_grammar",
+    "grammar_timeout",
+    "grammar_unsatisfiable",
+    "tools_unsupported",
+)
 
 
 class ErrorBody(msgspec.Struct):
@@ -104,9 +122,16 @@ def redis_unavailable(exc: BaseException) -> ApiError:
     return ApiError(503, f"The queue is unreachable: {exc}", type="server_error", code="redis_unavailable")
 
 
-def from_sdk(exc: BaseException, *, param_of=None, retry_after_s: int = 1) -> ApiError:
+def from_sdk(
+    exc: BaseException,
+    *,
+    param_of: Callable[[str], str] | None = None,
+    failure_param: Callable[[str], str | None] | None = None,
+    retry_after_s: int = 1,
+) -> ApiError:
     """The HTTP answer to an SDK error raised while submitting or reading a request.
-    `param_of` maps a protocol field path (``sampling.top_p``) to the OpenAI parameter name."""
+    `param_of` maps a protocol field path (``sampling.top_p``) to the OpenAI parameter name;
+    `failure_param` names the parameter a worker's error event is about, by its code."""
     if isinstance(exc, sdk.PayloadTooLarge):
         return too_large(exc.message)
     if isinstance(exc, sdk.ValidationError):
@@ -121,9 +146,10 @@ def from_sdk(exc: BaseException, *, param_of=None, retry_after_s: int = 1) -> Ap
     if isinstance(exc, sdk.RequestLost):
         return not_found(str(exc), code="request_lost")
     if isinstance(exc, sdk.RequestFailed):
-        status = 400 if exc.code in ("invalid", "schema", "too_large", "malformed") else 500
-        kind = "invalid_request_error" if status == 400 else "server_error"
-        return ApiError(status, exc.error_message, type=kind, code=exc.code)
+        if exc.code in CLIENT_ERROR_CODES:
+            param = failure_param(exc.code) if failure_param else None
+            return ApiError(400, exc.error_message, param=param, code=exc.code)
+        return ApiError(500, exc.error_message, type="server_error", code=exc.code)
     if isinstance(exc, (sdk.ConnectionLost, sdk.AccessDenied)):
         return redis_unavailable(exc)
     return ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="internal_error")

@@ -10,11 +10,10 @@ from typing import Any
 
 import msgspec
 
-from producer_sdk.gateway import errors
+from producer_sdk.gateway import errors, mapping_chat
 from producer_sdk.gateway.schemas import (
     CHAT_UNSUPPORTED,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     chat_decoder,
     completion_decoder,
@@ -23,7 +22,6 @@ from producer_sdk.protocol import schema_error
 
 CHAT, COMPLETION = "chat", "completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name of the system role
 RESERVED_METADATA = ("tenant",)
 _SAMPLING_COPY = (
     "n",
@@ -53,6 +51,11 @@ class Mapped(msgspec.Struct):
     logprobs: bool
     submit: dict[str, Any]  # keyword arguments of AsyncClient.submit
     param_names: dict[str, str]  # protocol field -> the OpenAI parameter the client used
+    constraint: str | None = None  # the parameter that constrains the output (response_format, ...)
+
+    def failure_param(self, code: str) -> str | None:
+        """The parameter a worker's error event (by its code) is about, if any."""
+        return mapping_chat.failure_param(self.kind == CHAT, self.constraint, code)
 
 
 def decode(kind: str, body: bytes) -> Any:
@@ -96,24 +99,28 @@ def map_chat(body: ChatCompletionRequest) -> Mapped:
     if body.logprobs:
         submit["logprobs"] = body.top_logprobs or 0
         names["logprobs"] = "top_logprobs"
-    submit["messages"] = [_message(i, m) for i, m in enumerate(body.messages)]
+    submit["messages"] = [mapping_chat.message(i, m) for i, m in enumerate(body.messages)]
     names["messages"] = "messages"
+    mapping_chat.tools(body, submit)
     if body.add_generation_prompt is not None:
         submit["add_generation_prompt"] = body.add_generation_prompt
     metadata = _metadata(body.metadata, body.user, body.safety_identifier)
     if metadata:
         submit["metadata"] = metadata
-    return Mapped(CHAT, body.model, bool(body.stream), _include_usage(body), bool(body.logprobs), submit, names)
+    return Mapped(
+        CHAT,
+        body.model,
+        bool(body.stream),
+        _include_usage(body),
+        bool(body.logprobs),
+        submit,
+        names,
+        mapping_chat.constraint_param(submit),
+    )
 
 
 def _harmless(name: str, value: Any) -> bool:
     """Values of unsupported parameters that ask for exactly what pagedq does anyway."""
-    if name == "tools":
-        return value == []
-    if name == "tool_choice":
-        return value == "none"
-    if name == "response_format":
-        return value == {"type": "text"}
     if name == "service_tier":
         return value in ("auto", "default")
     return False
@@ -139,7 +146,14 @@ def map_completion(body: CompletionRequest) -> Mapped:
     if metadata:
         submit["metadata"] = metadata
     return Mapped(
-        COMPLETION, body.model, bool(body.stream), _include_usage(body), body.logprobs is not None, submit, names
+        COMPLETION,
+        body.model,
+        bool(body.stream),
+        _include_usage(body),
+        body.logprobs is not None,
+        submit,
+        names,
+        mapping_chat.constraint_param(submit),
     )
 
 
@@ -159,35 +173,12 @@ def _sampling(body: Any, names: dict[str, str]) -> dict[str, Any]:
     if body.priority is not None:
         # vLLM: lower means earlier. pagedq: higher means earlier (and > 0 is the high lane).
         out["priority"] = -body.priority
+    mapping_chat.output_format(body, out)
     return out
 
 
 def _include_usage(body: Any) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
-
-
-def _message(i: int, m: ChatMessage) -> dict[str, str]:
-    where = f"messages[{i}]"
-    for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
-        if getattr(m, name) is not None:
-            raise errors.unsupported(f"{where}.{name}", "tools are not supported yet")
-    if m.name is not None:
-        raise errors.unsupported(f"{where}.name")
-    if m.refusal is not None:
-        raise errors.unsupported(f"{where}.refusal")
-    role = ROLE_ALIASES.get(m.role, m.role)
-    content = m.content
-    if content is None:
-        raise errors.invalid(f"{where}.content must be set", f"{where}.content")
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            kind = part.get("type")
-            if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-                raise errors.unsupported(f"{where}.content[{j}]", "only text parts ({type: text, text})")
-            parts.append(part["text"])
-        content = "\n".join(parts)
-    return {"role": role, "content": content}
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:
@@ -221,7 +212,7 @@ def param_of(mapped: Mapped, field: str) -> str:
     head, _, rest = field.partition(".")
     if head == "sampling" and rest:
         name = rest.split(".", 1)[0]
-        return mapped.param_names.get(name, name)
+        return mapped.param_names.get(name, name) + rest[len(name) :]
     base = head.split("[", 1)[0]
     if base in mapped.param_names:
         return mapped.param_names[base] + field[len(base) :]

@@ -2,6 +2,11 @@
 
 Token strings: the response stream carries token ids, not their text, so a logprobs entry names its
 token the way vLLM's ``--return-tokens-as-token-ids`` does (``"token_id:123"``), with ``bytes`` null.
+
+Tool calls: a chat message carries the calls the worker parsed (`tool_calls`, `content` null when the
+model wrote nothing else); streamed, each ToolCalls event becomes a chunk of OpenAI's
+`delta.tool_calls` (`index`, then `id`, `type` and `function.name` once, then `function.arguments`
+fragments), and token chunks carry the content without the call markup.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from producer_sdk.chat import ToolCall, ToolCallDelta
 from producer_sdk.gateway.mapping import CHAT
 from producer_sdk.protocol import Usage
 from producer_sdk.results import Chunk, Completion
@@ -71,6 +77,22 @@ def completion_logprobs(token_ids: list[int], lps: list[float] | None, tops: lis
     }
 
 
+def tool_call_delta(d: ToolCallDelta) -> dict[str, Any]:
+    """One `delta.tool_calls` entry (OpenAI's streaming shape)."""
+    out: dict[str, Any] = {"index": d.index}
+    if d.id is not None:
+        out["id"] = d.id
+        out["type"] = "function"
+    fn: dict[str, Any] = {"name": d.name} if d.name is not None else {}
+    fn["arguments"] = d.arguments
+    out["function"] = fn
+    return out
+
+
+def tool_call(c: ToolCall) -> dict[str, Any]:
+    return {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
+
+
 class Renderer:
     """Builds the objects of one request (chat or completion), streamed or whole."""
 
@@ -100,9 +122,16 @@ class Renderer:
         return self._frame(0, choices)
 
     def token_frame(self, c: Chunk) -> bytes:
+        """The chunk of `c` (b"" for a chat chunk of tool-call markup only: nothing to say)."""
+        if c.tool_calls:
+            delta = {"tool_calls": [tool_call_delta(d) for d in c.tool_calls]}
+            return self._frame(c.seq, [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
         lp = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs)
         if self.kind == CHAT:
-            choice = {"index": c.index, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": None}
+            if c.content is not None and not c.content and lp is None:
+                return b""
+            text = c.text if c.content is None else c.content
+            choice = {"index": c.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
             choice = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": None}
         return self._frame(c.seq, [choice])
@@ -133,7 +162,9 @@ class Renderer:
             lp = self._logprobs(ch.token_ids, ch.logprobs, ch.top_logprobs)
             stop_reason = done.stop_reason if ch.index == 0 else None
             if self.kind == CHAT:
-                message = {"role": "assistant", "content": ch.text, "refusal": None, "tool_calls": []}
+                calls = [tool_call(c) for c in ch.tool_calls or []]
+                content = (ch.content or None) if calls else ch.content
+                message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
                 choices.append(
                     {
                         "index": ch.index,

@@ -2,7 +2,9 @@
 
 Fields are None when not given. OpenAI's own parameters come first, then vLLM's extra body fields
 with vLLM's names, then parameters pagedq cannot honour yet: they are declared only so that the
-answer names them ("not supported yet") instead of calling them unknown.
+answer names them ("not supported yet") instead of calling them unknown. Tools, tool calls, response
+formats and structured outputs are decoded into the wire's own structs (`producer_sdk.chat`), whose
+names are OpenAI's and vLLM's.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+from producer_sdk.chat import NamedToolChoice, ResponseFormat, StructuredOutputsParams, Tool, ToolCall
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -21,8 +25,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (history)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
@@ -54,6 +58,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's for chat; vLLM's extra field for completions
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -66,11 +72,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     modalities: list[str] | None = None
     parallel_tool_calls: bool | None = None
     safety_identifier: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     add_generation_prompt: bool | None = None  # vLLM's
     # not supported yet
-    tools: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -94,9 +99,6 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 CHAT_UNSUPPORTED = (
-    "tools",
-    "tool_choice",
-    "response_format",
     "functions",
     "function_call",
     "audio",

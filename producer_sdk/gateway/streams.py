@@ -74,21 +74,24 @@ async def sse_frames(
     n: int,
     after: int = -1,
     on_first_token: Callable[[], None] | None = None,
+    api_error: Callable[[PagedqError], errors.ApiError] = errors.from_sdk,
 ) -> AsyncIterator[bytes]:
     """The SSE body of a request from event seq `after` + 1 on (-1: from the start). Chat streams
-    begin with the role chunk of each choice, numbered 0 like the Started event."""
+    begin with the role chunk of each choice, numbered 0 like the Started event. A chunk with nothing
+    to say (tool-call markup only: no content, no logprobs) is left out. An error is sent as
+    `api_error` renders it."""
     if renderer.kind == "chat" and after < 0:
         yield renderer.role_frame(n)
     try:
         async for batch in reading.batches():
-            frames = [renderer.token_frame(c) for c in batch if c.seq > after]
+            frames = b"".join(renderer.token_frame(c) for c in batch if c.seq > after)
             if frames:
                 if on_first_token is not None:
                     on_first_token()
                     on_first_token = None
-                yield b"".join(frames)
+                yield frames
     except PagedqError as e:
-        yield error_frame(errors.from_sdk(e).json()) + DONE
+        yield error_frame(api_error(e).json()) + DONE
         return
     done, seq = reading.completion, reading.final_seq
     assert done is not None

@@ -1,5 +1,6 @@
 """One redis database, one real worker (tiny Llama, every step at least 10 ms so that streams can be
-cut mid-generation) and one gateway process, shared by every test of tests/gateway.
+cut mid-generation; pagedq's Hermes tool template, which renders a chat without tools exactly as the
+tiny model's own template does) and one gateway process, shared by every test of tests/gateway.
 
 These tests never use the `redis_url` fixture (it flushes the server); they clean up after
 themselves instead, and measure worker metrics as differences.
@@ -12,9 +13,10 @@ import redis
 
 from tests.gateway.gateway_proc import GatewayProc
 from tests.service.worker_proc import WorkerProc
+from worker.models.chat_templates import HERMES_TOOLS
 
 STEP_DELAY_S = "0.01"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 1024  # a chat with a tool: about 500 prompt tokens of the tiny tokenizer
 
 
 @pytest.fixture(scope="package")
@@ -36,6 +38,8 @@ def gw_worker(llama_dir, gw_redis_url):
         "64",
         "--max-model-len",
         str(MAX_MODEL_LEN),
+        "--chat-template",
+        str(HERMES_TOOLS),
         env={"PAGEDQ_FAULT_STEP_DELAY_S": STEP_DELAY_S},
     ).start()
     yield w
@@ -53,7 +57,7 @@ def gateway(gw_worker, gw_redis_url):
 def offline(llama_dir):
     from worker import LLM
 
-    return LLM(model=str(llama_dir), dtype="float32", device="cpu")
+    return LLM(model=str(llama_dir), dtype="float32", device="cpu", chat_template=str(HERMES_TOOLS))
 
 
 @pytest.fixture

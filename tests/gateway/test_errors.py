@@ -18,6 +18,7 @@ from tests.service.worker_proc import wait_until
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def error_of(body: bytes) -> dict:
@@ -79,8 +80,38 @@ def test_a_deadline_is_504_whole_and_an_error_event_streamed(gateway):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "invalid_value"),
         ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages[0].colour", "unknown_parameter"),
         ({"frobnicate": True}, "frobnicate", "unknown_parameter"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "invalid_value",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+        (
+            {"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+            "tools[0].function.parameters",
+            "invalid_value",
+        ),
+        ({"tools": [TOOL, TOOL]}, "tools[1].function.name", "invalid_value"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "response_format.json_schema.schema",
+            "invalid_value",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
+            "structured_outputs",
+            "invalid_value",
+        ),
+        ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs", "invalid_value"),
+        ({"structured_outputs": {"json": '{"type": "object"'}}, "structured_outputs.json", "invalid_value"),
+        ({"messages": [{"role": "tool", "tool_call_id": "c1"}]}, "messages[0].content", "invalid_value"),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]},
+            "messages[0].tool_call_id",
+            "invalid_value",
+        ),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias", "unsupported_parameter"),
     ],
 )

@@ -83,16 +83,31 @@ def test_completion_prompt_kinds_and_defaults():
 @pytest.mark.parametrize(
     ("make", "param"),
     [
-        (lambda: chat(tools=[{}]), "tools"),
-        (lambda: chat(tool_choice="auto"), "tool_choice"),
+        (lambda: chat(tools=[{}]), "tools[0].function"),
+        (lambda: chat(tools=[{"type": "custom", "custom": {}}]), "tools[0].custom"),
+        (lambda: chat(tool_choice=3), "tool_choice"),
+        (
+            lambda: chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+            "response_format.json_schema.name",
+        ),
+        (lambda: chat(structured_outputs={"json": {}, "backend": "x"}), "structured_outputs.backend"),
+        (lambda: chat(functions=[{"name": "f"}]), "functions"),
         (lambda: chat(modalities=["audio"]), "modalities"),
         (lambda: chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),
         (
             lambda: chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
             "messages[0].content[0]",
         ),
-        (lambda: chat(messages=[{"role": "user", "content": "x", "name": "bob"}]), "messages[0].name"),
         (lambda: chat(messages=[{"role": "assistant", "content": None}]), "messages[0].content"),
+        (lambda: chat(messages=[{"role": "assistant", "content": None, "tool_calls": []}]), "messages[0].content"),
+        (
+            lambda: chat(messages=[{"role": "assistant", "content": "x", "function_call": {}}]),
+            "messages[0].function_call",
+        ),
+        (
+            lambda: chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]),
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         (lambda: chat(stream_options={"include_usage": True}), "stream_options"),
         (lambda: chat(metadata={"tenant": "me"}), "metadata.tenant"),
         (lambda: completion(prompt="x", echo=True), "echo"),
@@ -109,9 +124,75 @@ def test_what_cannot_be_honoured_is_refused_by_name(make, param):
     assert e.value.status == 400 and e.value.body.param == param
 
 
-def test_harmless_values_of_unsupported_parameters_pass():
+def test_values_that_ask_for_nothing_stay_out_of_the_request():
     m = chat(tools=[], tool_choice="none", response_format={"type": "text"}, parallel_tool_calls=False)
-    assert "tools" not in m.submit
+    assert set(m.submit) == {"max_tokens", "messages"} and m.constraint is None
+
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+
+
+def test_tools_tool_turns_and_formats_map_onto_the_wire_names():
+    history = [
+        {"role": "user", "content": "Weather in Paris?", "name": "ann"},
+        {
+            "role": "assistant",
+            "content": None,
+            "refusal": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
+        {"role": "assistant", "content": "Sunny.", "tool_calls": []},  # an answer without calls, sent back
+    ]
+    m = chat(
+        messages=history,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+    )
+    assert m.submit["messages"] == [
+        {"role": "user", "content": "Weather in Paris?", "name": "ann"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    assert m.submit["tools"] == [WEATHER]
+    assert m.submit["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert m.submit["parallel_tool_calls"] is False and m.constraint == "tools"
+    assert chat(tools=[WEATHER], tool_choice="none").constraint is None
+    assert "parallel_tool_calls" not in chat(tools=[WEATHER], parallel_tool_calls=True).submit
+    assert chat(tool_choice="auto").submit["tool_choice"] == "auto"  # without tools: the SDK refuses it
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    m = chat(response_format=fmt)
+    assert m.submit["response_format"] == fmt and m.constraint == "response_format"
+    m = completion(prompt="x", structured_outputs={"choice": ["yes", "no"]})
+    assert m.submit["structured_outputs"] == {"choice": ["yes", "no"]} and m.constraint == "structured_outputs"
+    assert mapping.param_of(m, "sampling.structured_outputs.choice") == "structured_outputs.choice"
+    assert completion(prompt="x", response_format={"type": "json_object"}).submit["response_format"] == {
+        "type": "json_object"
+    }
+    assert m.failure_param("invalid_grammar") == "structured_outputs" and m.failure_param("engine_error") is None
+    assert m.failure_param("prompt_too_long") == "prompt" and chat().failure_param("tools_unsupported") == "tools"
 
 
 def _done(text="ab", reason="stop") -> Completion:
@@ -122,6 +203,7 @@ def _done(text="ab", reason="stop") -> Completion:
         finish_reason=reason,
         logprobs=[-0.5, -0.25],
         top_logprobs=[[(1, -0.5), (7, -2.0)], [(2, -0.25), (8, -3.0)]],
+        content=text,
     )
     return Completion("r", text, [1, 2], reason, stop_reason="\n", usage=Usage(5, 2, 3), choices=[choice])
 
@@ -200,3 +282,46 @@ def test_key_file(tmp_path):
         KeyRing.load(path)
     with pytest.raises(KeyFileError):
         KeyRing.load(tmp_path / "missing.json")
+
+
+def test_tool_calls_whole_and_streamed_as_the_openai_client_reads_them():
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from producer_sdk.chat import FunctionCall, ToolCall, ToolCallDelta
+
+    call = ToolCall(id="call_r_0_0", function=FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))
+    text = '<tool_call>{"name": ...}</tool_call>'
+    choice = Choice(0, text, [1, 2], "tool_calls", content="", tool_calls=[call])
+    done = Completion("r", choice.text, [1, 2], "tool_calls", usage=Usage(5, 2, 0), choices=[choice])
+    r = Renderer("chat", "abcdefgh", "m", 1)
+    whole = ChatCompletion.model_validate_json(r.whole(done))
+    message = whole.choices[0].message
+    assert message.content is None and whole.choices[0].finish_reason == "tool_calls"
+    assert message.tool_calls[0].id == "call_r_0_0" and message.tool_calls[0].type == "function"
+    assert message.tool_calls[0].function.name == "get_weather"
+    assert message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+
+    markup = Chunk("<tool_call>", [1], 0, seq=1, content="")
+    assert r.token_frame(markup) == b""  # nothing to say
+    deltas = [
+        Chunk("", [], 0, seq=2, content="", tool_calls=[ToolCallDelta(index=0, id="call_r_0_0", name="get_weather")]),
+        Chunk("", [], 0, seq=3, content="", tool_calls=[ToolCallDelta(index=0, arguments='{"city": ')]),
+        Chunk("", [], 0, seq=4, content="", tool_calls=[ToolCallDelta(index=0, arguments='"Paris"}')]),
+    ]
+    frames = [r.role_frame(1), *(r.token_frame(c) for c in deltas), r.finish_frames(5, done)]
+    first = json.loads(frames[1].decode().split("data: ", 1)[1])["choices"][0]["delta"]
+    assert first == {
+        "tool_calls": [
+            {"index": 0, "id": "call_r_0_0", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+        ]
+    }
+    state = ChatCompletionStreamState()
+    for frame in frames:
+        for event in frame.decode().strip().split("\n\n"):
+            list(state.handle_chunk(ChatCompletionChunk.model_validate_json(event.split("data: ", 1)[1])))
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and len(final.message.tool_calls) == 1
+    assert final.message.tool_calls[0].id == "call_r_0_0"
+    assert final.message.tool_calls[0].function.name == "get_weather"
+    assert final.message.tool_calls[0].function.arguments == '{"city": "Paris"}'

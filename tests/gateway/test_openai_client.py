@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from producer_sdk import AsyncClient, Client
+from tests.gateway.conftest import MAX_MODEL_LEN
 from worker import SamplingParams
 
 MESSAGES = [
@@ -151,7 +152,7 @@ def test_logprobs_as_the_protocol_carries_them(client, gw_redis_url):
 def test_models_list_the_live_workers(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["default"]
-    assert models[0].max_model_len == 512 and models[0].owned_by == "pagedq"
+    assert models[0].max_model_len == MAX_MODEL_LEN and models[0].owned_by == "pagedq"
     assert client.models.retrieve("default").id == "default"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
