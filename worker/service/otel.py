@@ -110,7 +110,7 @@ class OtelTracer:
     # --- RequestTracer ------------------------------------------------------------------------
 
     def finished(self, rec: InFlight, out: RequestOutput) -> None:
-        self._guarded(self._attempt, rec, out, "error" if out.error else "finished")
+        self._guarded(self._attempt, rec, out, "finished")
 
     def handed_over(self, rec: InFlight, out: RequestOutput) -> None:
         self._guarded(self._attempt, rec, out, "handover")
@@ -142,6 +142,8 @@ class OtelTracer:
 
     def _attempt(self, rec: InFlight, out: RequestOutput, outcome: str) -> None:
         req, m, now = rec.request, out.metrics, time.time()
+        if out.error and outcome == "finished":
+            outcome = "error"
         first = rec.attempt == 1
         created = req.created_ms / 1000 if first and req.created_ms else None
         added = rec.added_at
