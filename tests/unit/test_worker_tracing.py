@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 
 import pytest
@@ -89,7 +90,7 @@ def test_a_finished_request_is_one_span_under_the_producers_with_its_phases(trac
         span = got[name]
         assert span.parent.span_id == root.context.span_id and span.context.trace_id == root.context.trace_id
         assert span.start_time == pytest.approx(start * 1e9, abs=1e3)
-    for a, b in zip(PHASES, PHASES[1:]):
+    for a, b in itertools.pairwise(PHASES):
         assert got[a].end_time == got[b].start_time
     assert root.start_time == got["pagedq.queue"].start_time and root.end_time == got["pagedq.publish"].end_time
     attrs = root.attributes
