@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -221,3 +224,24 @@ def test_the_json_lines_exporter(tmp_path):
     assert root["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
     assert root["resource"]["service.instance.id"] == "w9" and root["status"]["code"] == "UNSET"
     assert isinstance(root["start_time_unix_nano"], int) and root["end_time_unix_nano"] > root["start_time_unix_nano"]
+
+
+def test_a_producer_clock_ahead_of_the_worker_never_starts_the_queue_after_the_read(traced):
+    tracer, spans = traced
+    req = request()
+    req.created_ms = int((T0 + 5) * 1000)  # the producer's clock runs 5 s ahead
+    tracer.finished(in_flight(req), output(req, full_metrics()))
+    got = spans()
+    assert got["pagedq.queue"].start_time == got["pagedq.queue"].end_time == got["pagedq.admission"].start_time
+    assert got["pagedq.admission"].start_time == pytest.approx((T0 + 0.1) * 1e9, abs=1e3)
+
+
+def test_tracing_off_imports_no_opentelemetry():
+    code = (
+        "import sys; import worker.service.server; from worker.service.config import ServiceConfig; "
+        "from worker.service.tracing import make_tracer; "
+        "assert make_tracer(ServiceConfig(), model='m', consumer='c') is None; "
+        "assert not any(m.startswith('opentelemetry') for m in sys.modules), 'imported'"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PAGEDQ_OT"))}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)

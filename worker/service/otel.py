@@ -90,6 +90,14 @@ def _ns(t: float) -> int:
     return int(t * 1e9)
 
 
+def _enqueued(req: GenerateRequest, attempt: int, read_at: float) -> float | None:
+    """When the request was enqueued (the producer's clock), for a first attempt; never after the
+    worker read it (clock skew)."""
+    if attempt != 1 or not req.created_ms:
+        return None
+    return min(req.created_ms / 1000, read_at)
+
+
 class OtelTracer:
     """`worker.service.tracing.RequestTracer` on the OpenTelemetry SDK, with its own TracerProvider
     (the process-wide one is left alone)."""
@@ -144,8 +152,7 @@ class OtelTracer:
         req, m, now = rec.request, out.metrics, time.time()
         if out.error and outcome == "finished":
             outcome = "error"
-        first = rec.attempt == 1
-        created = req.created_ms / 1000 if first and req.created_ms else None
+        created = _enqueued(req, rec.attempt, rec.read_at)
         added = rec.added_at
         if added is not None and m.first_scheduled is not None:
             added = min(added, m.first_scheduled)  # the engine may schedule it before add_request returns
@@ -180,7 +187,7 @@ class OtelTracer:
     def _early(
         self, req: GenerateRequest, e: Entry, attempt: int, finish_reason: str | None, code: str | None, message: str
     ) -> None:
-        created = req.created_ms / 1000 if attempt == 1 and req.created_ms else None
+        created = _enqueued(req, attempt, e.read_at)
         attrs = self._request_attributes(req, e.stream, e.entry_id, attempt)
         attrs["pagedq.deliveries"] = e.deliveries
         status = None
