@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from producer_sdk import Client
-from tests.service.worker_proc import WorkerProc, wait_until
+from producer_sdk.protocol import Tokens
+from tests.service.worker_proc import WorkerProc, response_events, wait_until
 
 PHASES = ["pagedq.queue", "pagedq.admission", "pagedq.waiting", "pagedq.prefill", "pagedq.decode", "pagedq.publish"]
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # the batch processor's delay, ms
@@ -75,6 +76,7 @@ def test_the_producers_span_is_the_parent_of_the_workers_request_span(llama_dir,
     assert attrs["pagedq.finish_reason"] == "length" == done.finish_reason
     assert attrs["gen_ai.usage.output_tokens"] == 6
     assert attrs["gen_ai.usage.input_tokens"] == done.usage.prompt_tokens
+    assert "pagedq.resumed_tokens" not in attrs
     assert root["resource"]["service.name"] == "pagedq-worker"
 
     # Every phase happened, in order, end to end inside the request span and inside the producer's.
@@ -126,7 +128,7 @@ def test_the_trace_context_survives_a_worker_crash_and_the_resume(llama_dir, red
         with Client(redis_url) as client:
             handle = client.submit(
                 "resume me",
-                max_tokens=8,
+                max_tokens=24,
                 temperature=0,
                 ignore_eos=True,
                 request_id="resumed-001",
@@ -135,7 +137,7 @@ def test_the_trace_context_survives_a_worker_crash_and_the_resume(llama_dir, red
             )
             assert doomed.wait(60) == 137
             rescuer.start()
-            assert len(handle.result(timeout=60).token_ids) == 8
+            assert len(handle.result(timeout=60).token_ids) == 24
         got = wait_until(lambda: request_spans(rescuer_spans, "resumed-001"), 30, "the rescuer's spans")
     finally:
         rescuer.stop()
@@ -145,6 +147,10 @@ def test_the_trace_context_survives_a_worker_crash_and_the_resume(llama_dir, red
     assert root["attributes"]["pagedq.attempt"] == 2 and root["attributes"]["pagedq.worker"] == "rescuer"
     assert "pagedq.queue" not in got and {"pagedq.admission", "pagedq.decode", "pagedq.publish"} <= set(got)
     assert request_spans(doomed_spans, "resumed-001") is None  # it died before its final event
+    before = sum(
+        len(e.token_ids) for e in response_events(redis_url, "resumed-001") if isinstance(e, Tokens) and e.attempt == 1
+    )
+    assert root["attributes"].get("pagedq.resumed_tokens", 0) == before
 
 
 @pytest.mark.skipif(

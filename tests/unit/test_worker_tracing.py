@@ -121,7 +121,8 @@ def test_a_resumed_attempt_starts_when_its_worker_took_it(traced):
     tracer, spans = traced
     req = request()
     rec = in_flight(req, attempt=2)
-    rec.delivered = [[5, 6]]
+    rec.delivered = [[5, 6, 7]]  # everything published so far, this attempt's token included
+    rec.resumed_tokens = 2
     tracer.finished(rec, output(req, full_metrics()))
     got = spans()
     assert "pagedq.queue" not in got

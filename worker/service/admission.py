@@ -186,6 +186,7 @@ class Admission:
         )
         if resume is not None:
             rec.next_seq, rec.attempt, rec.delivered = resume.next_seq, resume.attempt, resume.delivered
+            rec.resumed_tokens = resume.tokens
         self.inflight[req.request_id] = rec
         try:
             await self.add_to_engine(rec)

@@ -46,6 +46,7 @@ class InFlight:
     handover: bool = False  # we are giving it up: publish tokens, never a final event or ack
     lost: bool = False  # another worker owns it now: publish nothing
     engine_failures: int = 0  # engine steps that failed while it was running here
+    resumed_tokens: int = 0  # tokens earlier attempts had delivered when this one began
     read_at: float = 0.0  # when its entry was read from Redis (unix s)
     added_at: float | None = None  # when the engine accepted it (tokenized, queued)
 

@@ -171,8 +171,8 @@ class OtelTracer:
         attrs["gen_ai.usage.output_tokens"] = sum(len(c.token_ids) for c in out.outputs)
         attrs["pagedq.cached_tokens"] = m.num_cached_tokens
         attrs["pagedq.preemptions"] = m.num_preemptions
-        if rec.delivered:
-            attrs["pagedq.resumed_tokens"] = sum(len(d) for d in rec.delivered)
+        if rec.resumed_tokens:
+            attrs["pagedq.resumed_tokens"] = rec.resumed_tokens
         status = None
         if out.error:
             code = out.error_code or "engine_error"
