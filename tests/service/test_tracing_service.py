@@ -51,10 +51,13 @@ def producer_tracer() -> tuple[InMemorySpanExporter, object]:
 
 def test_the_producers_span_is_the_parent_of_the_workers_request_span(llama_dir, redis_url, tmp_path):
     path = tmp_path / "spans.jsonl"
-    w = WorkerProc(llama_dir, redis_url, "--otel-traces-file", str(path), metrics=False, env=FAST_EXPORT).start()
+    w = WorkerProc(llama_dir, redis_url, "--otel-traces-file", str(path), metrics=False, env=FAST_EXPORT)
     exporter, tracer = producer_tracer()
     try:
         with Client(redis_url) as client:
+            with tracer.start_as_current_span("cancelled step"):  # cancelled while no worker runs
+                client.submit("never run", max_tokens=4, request_id="cancelled-01").cancel()
+            w.start()
             with tracer.start_as_current_span("agent step"):
                 done = client.generate(
                     "trace me", max_tokens=6, temperature=0, ignore_eos=True, request_id="traced-001"
@@ -63,10 +66,11 @@ def test_the_producers_span_is_the_parent_of_the_workers_request_span(llama_dir,
             finished_at = time.time()
         got = wait_until(lambda: request_spans(path, "traced-001"), 30, "the worker's spans")
         plain = wait_until(lambda: request_spans(path, "untraced-01"), 30, "the untraced request's spans")
+        answered = wait_until(lambda: request_spans(path, "cancelled-01"), 30, "the cancelled request's spans")
     finally:
         w.stop()
 
-    (producer,) = exporter.get_finished_spans()
+    cancelled_step, producer = exporter.get_finished_spans()
     root = got["pagedq.request"]
     assert root["trace_id"] == f"{producer.context.trace_id:032x}"
     assert root["parent_span_id"] == f"{producer.context.span_id:016x}"
@@ -97,6 +101,12 @@ def test_the_producers_span_is_the_parent_of_the_workers_request_span(llama_dir,
     # A request submitted outside any span starts a trace of its own.
     assert plain["pagedq.request"]["parent_span_id"] is None
     assert plain["pagedq.request"]["trace_id"] != root["trace_id"]
+
+    # Answered at intake without compute: a span in its producer's trace, with no engine phase.
+    assert answered["pagedq.request"]["parent_span_id"] == f"{cancelled_step.context.span_id:016x}"
+    assert answered["pagedq.request"]["attributes"]["pagedq.outcome"] == "answered"
+    assert answered["pagedq.request"]["attributes"]["pagedq.finish_reason"] == "abort"
+    assert sorted(answered) == ["pagedq.admission", "pagedq.queue", "pagedq.request"]
 
 
 def test_the_trace_context_survives_a_worker_crash_and_the_resume(llama_dir, redis_url, tmp_path):
