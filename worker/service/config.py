@@ -51,7 +51,7 @@ class ServiceConfig:
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT also turns it on): pip install 'pagedq[otel]' and an OTLP exporter",
     )
     otel_traces_file: str | None = option(
-        None, "also write those spans to this file, one JSON object a line (debugging, tests)"
+        None, "write those spans to this file, one JSON object a line, with or without OTLP (debugging, tests)"
     )
     # Derived from claim_idle_ms unless set: renewal well inside the idle timeout.
     renew_interval_s: float | None = None
