@@ -9,7 +9,14 @@ from typing import Any
 
 import msgspec
 
-from producer_sdk._core import EnqueueResult, Prepared, build_request, enqueue_keys_args, parse_many_replies
+from producer_sdk._core import (
+    EnqueueResult,
+    Prepared,
+    build_request,
+    enqueue_keys_args,
+    parse_many_replies,
+    prepare_many,
+)
 from producer_sdk._stream import Backoff, Follower, outcome
 from producer_sdk.contract import scripts
 from producer_sdk.contract.connection import client_options
@@ -73,6 +80,7 @@ class ClientOptions(msgspec.Struct, kw_only=True):
     resubmit_lost: bool = True
     check_model: bool = True
     limits: Limits = DEFAULT_LIMITS
+    propagate_trace: bool = True
 
     def backoff(self) -> Backoff:
         return Backoff(self.reconnect_attempts, max_s=self.reconnect_backoff_max_s)
@@ -203,6 +211,7 @@ class ClientBase:
         resubmit_lost: bool = True,
         check_model: bool = True,
         limits: Limits = DEFAULT_LIMITS,
+        propagate_trace: bool = True,
         **redis_options: Any,
     ) -> None:
         if isinstance(redis_url, str):
@@ -225,6 +234,7 @@ class ClientBase:
             resubmit_lost=resubmit_lost,
             check_model=check_model,
             limits=limits,
+            propagate_trace=propagate_trace,
         )
         self._script = self._redis.register_script(scripts.ENQUEUE)
         self._models = ModelRegistryView()
@@ -243,7 +253,10 @@ class ClientBase:
         return self._handle_class(self, request_id)
 
     def _prepare(self, prompt: str | None, kwargs: dict[str, Any]) -> Prepared:
-        return build_request(prompt, limits=self._opts.limits, **kwargs)
+        return build_request(prompt, limits=self._opts.limits, propagate_trace=self._opts.propagate_trace, **kwargs)
+
+    def _prepare_many(self, items: Any, common: dict[str, Any]) -> list[Prepared]:
+        return prepare_many(items, common, self._opts.limits, self._opts.propagate_trace)
 
     def _enqueue_args(self, p: Prepared) -> tuple[list[str], list[Any]]:
         return enqueue_keys_args(p, self.model, self._opts.max_queue_len, self._opts.result_ttl_s)

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from producer_sdk import trace_context
 from producer_sdk._stream import Follower, translate_redis_error
 from producer_sdk.chat import Message, NamedToolChoice, ResponseFormat, Tool
 from producer_sdk.contract import keys, scripts
@@ -113,11 +114,16 @@ def build_request(
     deadline: float | _dt.datetime | _dt.timedelta | None = None,
     metadata: Mapping[str, str] | None = None,
     add_generation_prompt: bool = True,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
+    propagate_trace: bool = True,
     **sampling: Any,
 ) -> Prepared:
     """Build, type-check, validate and encode a request (the same checks the worker runs). It is
-    written in the lowest protocol version that carries it, so older workers serve what they can."""
+    written in the lowest protocol version that carries it, so older workers serve what they can.
+    Without an explicit `traceparent` (nor `tracestate`), the current OpenTelemetry span's context is
+    carried when `propagate_trace` (see `trace_context`)."""
     _check_sampling_names(sampling)
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
@@ -149,6 +155,12 @@ def build_request(
     ms = deadline_to_ms(deadline)
     if ms is not None:
         raw["deadline_ms"] = max(ms, 0)
+    if traceparent is None and tracestate is None and propagate_trace:
+        traceparent, tracestate = trace_context.current()
+    if traceparent is not None:
+        raw["traceparent"] = traceparent
+    if tracestate is not None:
+        raw["tracestate"] = tracestate
     try:
         request = msgspec.convert(raw, GenerateRequest, strict=True)
     except msgspec.ValidationError as e:
@@ -210,13 +222,17 @@ def queue_liveness(pipe: Any, f: Follower) -> None:
 # --- submit_many ----------------------------------------------------------------------------------
 
 
-def prepare_many(items: Iterable[str | Mapping[str, Any]], common: Mapping[str, Any], limits: Limits) -> list[Prepared]:
+def prepare_many(
+    items: Iterable[str | Mapping[str, Any]], common: Mapping[str, Any], limits: Limits, propagate_trace: bool = True
+) -> list[Prepared]:
     """Build every request of `submit_many` first: nothing is sent if one of them is invalid."""
     prepared = []
     for i, item in enumerate(items):
         args, kwargs = split_submit_item(item)
         try:
-            prepared.append(build_request(*args, **{**common, **kwargs}, limits=limits))
+            prepared.append(
+                build_request(*args, **{**common, **kwargs}, limits=limits, propagate_trace=propagate_trace)
+            )
         except ValidationError as e:
             raise type(e)(f"submit_many item {i}: {e.message}", field=e.field) from None
     return prepared

@@ -26,6 +26,7 @@ from arq.connections import ArqRedis, RedisSettings
 from arq.jobs import Job
 from arq.worker import func
 
+from producer_sdk import trace_context
 from producer_sdk._core import new_request_id
 from producer_sdk.client import AsyncClient
 
@@ -47,8 +48,16 @@ async def enqueue_generation(arq_pool: ArqRedis, *, queue_name: str = DEFAULT_QU
 
     `request` holds `AsyncClient.generate` arguments (prompt / messages / prompt_token_ids,
     sampling fields, priority, deadline as seconds, metadata, request_id, timeout, ...).
+    The OpenTelemetry span current here (if any) becomes the request's `traceparent`, unless the
+    request names its own: the job runs later, in another process.
     """
     request.setdefault("request_id", new_request_id())
+    if "traceparent" not in request and "tracestate" not in request:
+        traceparent, tracestate = trace_context.current()
+        if traceparent is not None:
+            request["traceparent"] = traceparent
+            if tracestate is not None:
+                request["tracestate"] = tracestate
     deadline = request.get("deadline")
     if deadline is not None and not isinstance(deadline, datetime):
         # Relative deadlines count from now, not from when an arq worker picks the job up.

@@ -114,7 +114,8 @@ class AsyncClient(ClientBase):
 
     ``AsyncClient(redis_url="redis://localhost:6379/0", model="default", *, max_queue_len=None,
     result_ttl_s=86400, connect_timeout=5.0, block_ms=2000, reconnect_attempts=10,
-    reconnect_backoff_max_s=2.0, resubmit_lost=True, limits=DEFAULT_LIMITS, **redis_options)``
+    reconnect_backoff_max_s=2.0, resubmit_lost=True, limits=DEFAULT_LIMITS, propagate_trace=True,
+    **redis_options)``
 
     `redis_url` is a URL (``redis://[user:password@]host:port/db``, ``rediss://...`` for TLS,
     ``unix://...``) or an existing ``redis.asyncio.Redis`` (not closed by `close()`; it must keep
@@ -127,7 +128,9 @@ class AsyncClient(ClientBase):
     the request still exists). A failed Redis call is retried `reconnect_attempts` times in a row
     with exponential backoff (full jitter, up to `reconnect_backoff_max_s`), then `ConnectionLost`
     is raised. `resubmit_lost`: when Redis lost a request (a restart without persistence) before
-    any token came back, a reader submits it again transparently.
+    any token came back, a reader submits it again transparently. `propagate_trace`: a request
+    submitted while an OpenTelemetry span is current carries that span's W3C trace context (unless
+    it names its own `traceparent`), so the worker's spans join the caller's trace.
     """
 
     _redis_class = aioredis.Redis
@@ -164,6 +167,8 @@ class AsyncClient(ClientBase):
         priority: int = 0,
         deadline: Any = None,
         metadata: Mapping[str, str] | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
         **sampling: Any,
     ) -> Handle:
         """Enqueue a request and return its Handle at once.
@@ -180,7 +185,8 @@ class AsyncClient(ClientBase):
         first). `deadline`: seconds from now, a timedelta or a datetime. `**sampling`:
         SamplingParams fields (n, max_tokens, temperature, top_p, top_k, stop, seed, logprobs...).
         Resubmitting an id already submitted (within `result_ttl_s`) adds nothing: the handle
-        follows the existing request (`handle.duplicate` is True).
+        follows the existing request (`handle.duplicate` is True). `traceparent` / `tracestate`: a
+        W3C Trace Context for the worker's spans (default: the current OpenTelemetry span's).
         Raises ValidationError (nothing sent), QueueFull, AuthenticationFailed, ConnectionLost.
         """
         p = self._prepare(
@@ -196,6 +202,8 @@ class AsyncClient(ClientBase):
                 priority=priority,
                 deadline=deadline,
                 metadata=metadata,
+                traceparent=traceparent,
+                tracestate=tracestate,
                 **sampling,
             ),
         )
@@ -206,7 +214,7 @@ class AsyncClient(ClientBase):
         arguments; `common` arguments apply to every item. All are validated before any is sent.
         A full lane raises QueueFull after the others went through (`QueueFull.handles` has them).
         """
-        prepared = _core.prepare_many(items, common, self._opts.limits)
+        prepared = self._prepare_many(items, common)
         if prepared:
             await self._check_model()
 

@@ -12,3 +12,9 @@ FINISH_REASONS = ("stop", "length", "abort", "deadline", "tool_calls")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 V1_ROLES = ("system", "user", "assistant", "tool")
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+
+# W3C Trace Context (https://www.w3.org/TR/trace-context/): version, trace-id, parent-id, flags, all
+# lowercase hex; version ff is invalid, and a future version may append "-..." after the flags.
+TRACEPARENT_PATTERN = re.compile(r"(?!ff)([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[ -~]*)?")
+TRACEPARENT_MAX_CHARS = 256
+TRACESTATE_MAX_CHARS = 512  # the length the spec asks every vendor to propagate

@@ -125,6 +125,7 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     v2 fields `tools` (rendered by the chat template), `tool_choice` (default: "auto" with tools) and
     `parallel_tool_calls` (OpenAI's).
     `response_format` (v2) constrains the output like `sampling.structured_outputs`.
+    `traceparent` / `tracestate`: the producer's W3C Trace Context, for the worker's spans (docs/observability.md).
     """
 
     v: int
@@ -142,6 +143,8 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True  # False: a forced call is exactly one call
     response_format: ResponseFormat | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def lane(self) -> str:

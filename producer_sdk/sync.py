@@ -126,6 +126,8 @@ class Client(ClientBase):
         priority: int = 0,
         deadline: Any = None,
         metadata: Mapping[str, str] | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
         **sampling: Any,
     ) -> SyncHandle:
         """Enqueue a request; see `AsyncClient.submit`."""
@@ -142,6 +144,8 @@ class Client(ClientBase):
                 priority=priority,
                 deadline=deadline,
                 metadata=metadata,
+                traceparent=traceparent,
+                tracestate=tracestate,
                 **sampling,
             ),
         )
@@ -149,7 +153,7 @@ class Client(ClientBase):
 
     def submit_many(self, items: Iterable[str | Mapping[str, Any]], **common: Any) -> list[SyncHandle]:
         """Submit many requests in one pipeline; see `AsyncClient.submit_many`."""
-        prepared = _core.prepare_many(items, common, self._opts.limits)
+        prepared = self._prepare_many(items, common)
         if prepared:
             self._check_model()
 

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from producer_sdk.constants import PROTOCOL_VERSION, REQUEST_ID_PATTERN, ROLES, SUPPORTED_VERSIONS
+from producer_sdk.constants import (
+    PROTOCOL_VERSION,
+    REQUEST_ID_PATTERN,
+    ROLES,
+    SUPPORTED_VERSIONS,
+    TRACEPARENT_MAX_CHARS,
+    TRACEPARENT_PATTERN,
+    TRACESTATE_MAX_CHARS,
+)
 from producer_sdk.errors import UnsupportedVersion, ValidationError
 from producer_sdk.validation_chat import (
     message_problems,
@@ -149,6 +157,23 @@ def _request_problems(r: GenerateRequest, lim: Limits):
             yield f"metadata.{k}", f"value longer than {lim.max_metadata_value_chars} characters"
     yield from tool_problems(r, lim)
     yield from response_format_problems(r, lim)
+    yield from trace_context_problems(r.traceparent, r.tracestate)
+
+
+def trace_context_problems(traceparent: str | None, tracestate: str | None):
+    """W3C Trace Context headers: a `traceparent` of the spec's form (version 00: exactly
+    ``00-<32 hex>-<16 hex>-<2 hex>``, ids not all zero), and a `tracestate` only beside one."""
+    if traceparent is not None:
+        m = TRACEPARENT_PATTERN.fullmatch(traceparent) if len(traceparent) <= TRACEPARENT_MAX_CHARS else None
+        if m is None or (m.group(1) == "00" and m.group(5)):
+            yield "traceparent", "must be a W3C traceparent: 00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>"
+        elif m.group(2) == "0" * 32 or m.group(3) == "0" * 16:
+            yield "traceparent", "trace id and parent id must not be all zeros"
+    if tracestate is not None:
+        if traceparent is None:
+            yield "tracestate", "is only carried with a traceparent"
+        elif len(tracestate) > TRACESTATE_MAX_CHARS or not all(" " <= c <= "~" for c in tracestate):
+            yield "tracestate", f"must be printable ASCII of at most {TRACESTATE_MAX_CHARS} characters"
 
 
 def validate(request: GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:

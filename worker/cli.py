@@ -59,7 +59,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return 2
     from worker.engine.config import ConfigError
     from worker.models.loader import ModelLoadError
+    from worker.service.tracing import TracingUnavailable, check_tracing, tracing_settings
 
+    try:
+        service_config = ServiceConfig.from_cli_args(args)
+        check_tracing(tracing_settings(service_config))
+    except (ValueError, TracingUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         config = EngineConfig.from_cli_args(args)
         log.info("loading model", model=config.model, dtype=config.dtype, device=config.device)
@@ -75,7 +82,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         max_model_len=limits.max_model_len,
         dtype=limits.dtype,
     )
-    service = WorkerService(engine, ServiceConfig.from_cli_args(args))
+    service = WorkerService(engine, service_config)
     return asyncio.run(service.run())
 
 

@@ -29,9 +29,12 @@ async def run_arq_burst(redis_url: str) -> Worker:
 
 
 async def test_generation_through_arq(redis_url):
+    from opentelemetry.sdk.trace import TracerProvider
+
     pool = await create_pool(RedisSettings.from_dsn(redis_url))
     try:
-        job = await enqueue_generation(pool, queue_name=QUEUE, prompt="Hi", max_tokens=3, metadata={"t": "a"})
+        with TracerProvider().get_tracer("enqueuer").start_as_current_span("enqueue") as span:
+            job = await enqueue_generation(pool, queue_name=QUEUE, prompt="Hi", max_tokens=3, metadata={"t": "a"})
         again = await enqueue_generation(pool, queue_name=QUEUE, request_id=job.job_id, prompt="Hi")
         failing = await enqueue_generation(pool, queue_name=QUEUE, prompt="fail", deadline=30)
         async with FakeWorker(redis_url) as pagedq_worker:
@@ -48,5 +51,8 @@ async def test_generation_through_arq(redis_url):
         assert len(pagedq_worker.requests) == 2 and set(by_id) == {job.job_id, failing.job_id}
         assert by_id[job.job_id].metadata == {"t": "a"}
         assert by_id[failing.job_id].deadline_ms is not None
+        ctx = span.get_span_context()  # the enqueuer's span is the parent, across arq and pagedq
+        assert by_id[job.job_id].traceparent == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+        assert by_id[failing.job_id].traceparent is None
     finally:
         await pool.aclose()

@@ -33,6 +33,7 @@ from worker.service.inflight import Entry, InFlight, InFlightTable
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.replay import CorruptStream, Resume, read_previous_attempts
+from worker.service.tracing import RequestTracer
 
 
 class Admission:
@@ -49,6 +50,7 @@ class Admission:
         recently_cancelled: Callable[[str], bool],
         wake_engine: Callable[[], None],
         consumer: str,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.redis = redis
         self.engine = engine
@@ -59,6 +61,7 @@ class Admission:
         self.metrics = metrics
         self.recently_cancelled = recently_cancelled
         self.wake_engine = wake_engine
+        self.tracer = tracer
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.mean_seats: float | None = None  # moving average of n over decoded requests
         self.log = get_logger("pagedq.intake", worker=consumer)
@@ -128,13 +131,21 @@ class Admission:
             return
         seq, attempt = (resume.next_seq, resume.attempt) if resume else (0, 1)
         if req.request_id in self.inflight:
-            await self.closer.refuse(e, req.request_id, "duplicate", "request id already running here", seq=None)
-        elif is_cancelled:
-            await self.closer.answer(e, req.request_id, Finished(seq=seq, attempt=attempt, finish_reason="abort"))
+            msg = "request id already running here"
+            await self.closer.refuse(e, req.request_id, "duplicate", msg, seq=None)
+            if self.tracer is not None:
+                self.tracer.ended_early(req, e, attempt, error_code="duplicate", message=msg)
+            return
+        if is_cancelled:
+            reason = "abort"
         elif req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
-            await self.closer.answer(e, req.request_id, Finished(seq=seq, attempt=attempt, finish_reason="deadline"))
+            reason = "deadline"
         else:
             await self._start(e, req, resume)
+            return
+        await self.closer.answer(e, req.request_id, Finished(seq=seq, attempt=attempt, finish_reason=reason))
+        if self.tracer is not None:
+            self.tracer.ended_early(req, e, attempt, finish_reason=reason)
 
     async def _decode(self, e: Entry) -> GenerateRequest | None:
         payload = e.fields.get(ENTRY_DATA_FIELD.encode())
@@ -171,9 +182,11 @@ class Admission:
             request=req,
             max_events=(sp.max_tokens or self.engine.limits.max_model_len) * sp.n + 16,
             deliveries=e.deliveries,
+            read_at=e.read_at,
         )
         if resume is not None:
             rec.next_seq, rec.attempt, rec.delivered = resume.next_seq, resume.attempt, resume.delivered
+            rec.resumed_tokens = resume.tokens
         self.inflight[req.request_id] = rec
         try:
             await self.add_to_engine(rec)
@@ -185,6 +198,8 @@ class Admission:
                 "invalid_request" if isinstance(err, ValueError) else "internal_error"
             )
             await self.closer.refuse(e, req.request_id, code, str(err), seq=rec.next_seq, attempt=rec.attempt)
+            if self.tracer is not None:
+                self.tracer.ended_early(req, e, rec.attempt, error_code=code, message=str(err))
             return
         if self.recently_cancelled(req.request_id):  # cancelled while we were admitting it
             self.engine.abort_request(req.request_id)
@@ -220,6 +235,7 @@ class Admission:
             tool_choice=msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None,
             parallel_tool_calls=req.parallel_tool_calls,
         )
+        rec.added_at = time.time()
 
     async def dead_letter(self, rec: InFlight, code: str, message: str) -> None:
         """Dead-letter a request this worker had accepted (its payload re-encoded)."""

@@ -45,6 +45,14 @@ class ServiceConfig:
     arq_queue: str | None = option(
         None, "also serve pagedq_generate jobs of this arq queue (pip install 'pagedq[arq]')"
     )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "send OpenTelemetry spans of each request to this OTLP endpoint (as vLLM's flag; the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT also turns it on): pip install 'pagedq[otel]' and an OTLP exporter",
+    )
+    otel_traces_file: str | None = option(
+        None, "write those spans to this file, one JSON object a line, with or without OTLP (debugging, tests)"
+    )
     # Derived from claim_idle_ms unless set: renewal well inside the idle timeout.
     renew_interval_s: float | None = None
     reclaim_interval_s: float | None = None

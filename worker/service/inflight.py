@@ -3,6 +3,7 @@ final event is written. Touched only on the event loop thread."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from producer_sdk.constants import REQUEST_ID_PATTERN
@@ -19,6 +20,7 @@ class Entry:
     entry_id: str
     fields: dict[bytes, bytes]
     deliveries: int = 1
+    read_at: float = field(default_factory=time.time)  # when this worker read it from Redis (unix s)
 
     @property
     def request_id(self) -> str | None:
@@ -44,6 +46,9 @@ class InFlight:
     handover: bool = False  # we are giving it up: publish tokens, never a final event or ack
     lost: bool = False  # another worker owns it now: publish nothing
     engine_failures: int = 0  # engine steps that failed while it was running here
+    resumed_tokens: int = 0  # tokens earlier attempts had delivered when this one began
+    read_at: float = 0.0  # when its entry was read from Redis (unix s)
+    added_at: float | None = None  # when the engine accepted it (tokenized, queued)
 
     @property
     def live(self) -> bool:
@@ -55,7 +60,7 @@ class InFlight:
         return self.request.sampling.n
 
     def entry(self) -> Entry:
-        return Entry(self.lane, self.stream, self.entry_id, {}, self.deliveries)
+        return Entry(self.lane, self.stream, self.entry_id, {}, self.deliveries, self.read_at)
 
 
 InFlightTable = dict[str, InFlight]

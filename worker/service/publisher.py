@@ -30,6 +30,7 @@ from worker.service.inflight import InFlight, InFlightTable
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.retry import Backoff
+from worker.service.tracing import RequestTracer
 
 # Fault injection for the chaos tests (off unless set).
 _EXIT_BEFORE_FINAL = os.environ.get("PAGEDQ_FAULT_EXIT_BEFORE_FINAL_PUBLISH") == "1"
@@ -85,6 +86,7 @@ class Publisher:
         metrics: WorkerMetrics,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.redis = redis
         self.inflight = inflight
@@ -93,6 +95,7 @@ class Publisher:
         self.live_ttl_ms, self.result_ttl_ms = live_ttl_ms, result_ttl_ms
         self.metrics = metrics
         self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
+        self.tracer = tracer
         self._script = redis.register_script(scripts.PUBLISH)
         self._queue: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._idle = asyncio.Event()
@@ -222,7 +225,7 @@ class Publisher:
             if p.rec.live or p.tokens:
                 calls.append(self._call(p))
             elif p.final is not None:  # handed over, nothing left to write
-                self._retire(p.rec)
+                self._handed_over(p.rec, p.final)
         if _EXIT_BEFORE_FINAL and any(c.final for c in calls):
             os._exit(137)  # fault injection: die between the engine step and the final write
         backoff = Backoff()
@@ -294,14 +297,23 @@ class Publisher:
         if p.final is not None:
             if final:
                 self._record_finish(rec, p.final)
-            self._retire(rec)
+                self._retire(rec)
+            else:
+                self._handed_over(rec, p.final)
 
     def _retire(self, rec: InFlight) -> None:
         self.inflight.pop(rec.request_id, None)
         self.hooks.on_done(rec)
 
+    def _handed_over(self, rec: InFlight, out: RequestOutput) -> None:
+        if self.tracer is not None and rec.handover:
+            self.tracer.handed_over(rec, out)
+        self._retire(rec)
+
     def _record_finish(self, rec: InFlight, out: RequestOutput) -> None:
         m, met = out.metrics, self.metrics
+        if self.tracer is not None:
+            self.tracer.finished(rec, out)
         if out.error:
             code = out.error_code or "engine_error"
             met.labels(met.requests_failed, code=code).inc()

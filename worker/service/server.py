@@ -41,6 +41,7 @@ from worker.service.ownership import Ownership
 from worker.service.publisher import Publisher, PublisherHooks
 from worker.service.retry import REDIS_DOWN, Backoff
 from worker.service.supervisor import Supervisor, every
+from worker.service.tracing import make_tracer
 
 HANDOVER_WAIT_S = 10.0
 
@@ -67,6 +68,7 @@ class WorkerService:
             cfg.redis_url, **client_options(asyncio=True, socket_timeout=intake_block_ms / 1000 + 10.0)
         )
         common = {"model": self.model, "consumer": self.consumer}
+        self.tracer = make_tracer(cfg, **common)  # None unless tracing is configured
         group = keys.group(self.model)
         self.closer = EntryCloser(
             self.redis,
@@ -88,6 +90,7 @@ class WorkerService:
             recently_cancelled=self.cancels.recently_cancelled,
             wake_engine=self.wake_engine,
             consumer=self.consumer,
+            tracer=self.tracer,
         )
         self.intake = Intake(
             self.redis,
@@ -113,6 +116,7 @@ class WorkerService:
             wait_replicas=cfg.wait_replicas,
             wait_timeout_ms=cfg.wait_timeout_ms,
             metrics=self.metrics,
+            tracer=self.tracer,
             **common,
         )
         self.ownership = Ownership(self.redis, self.inflight, on_lost=self._on_lost, **common)
@@ -270,6 +274,7 @@ class WorkerService:
             metrics_port=self.metrics_port,
             max_num_seqs=lim.max_num_seqs,
             kv_blocks=lim.num_kv_blocks,
+            tracing=self.tracer is not None,
         )
         await self.stopping.wait()
         if arq_worker is not None:
@@ -290,6 +295,8 @@ class WorkerService:
         self.health.stop()
         await self.redis.aclose()
         await self.blocking_redis.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # exports the spans still buffered
         rc = 1 if self.failed else 0
         log.info("worker stopped", exit_code=rc)
         return rc
