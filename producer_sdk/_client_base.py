@@ -11,6 +11,7 @@ import msgspec
 
 from producer_sdk._core import EnqueueResult, Prepared, build_request, enqueue_keys_args, parse_many_replies
 from producer_sdk._stream import Backoff, Follower, outcome
+from producer_sdk.constants import DEFAULT_TENANT
 from producer_sdk.contract import scripts
 from producer_sdk.contract.connection import client_options
 from producer_sdk.errors import (
@@ -22,7 +23,7 @@ from producer_sdk.protocol import (
     Usage,
 )
 from producer_sdk.results import Completion
-from producer_sdk.validation import DEFAULT_LIMITS, Limits
+from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_tenant
 
 # --- served models --------------------------------------------------------------------------------
 
@@ -65,6 +66,7 @@ def _text(x: Any) -> str:
 
 class ClientOptions(msgspec.Struct, kw_only=True):
     model: str = "default"
+    tenant: str = DEFAULT_TENANT  # of every request that names none
     max_queue_len: int | None = None
     result_ttl_s: float = 86400.0
     block_ms: int = 2000
@@ -194,6 +196,7 @@ class ClientBase:
         redis_url: Any = "redis://localhost:6379/0",
         model: str = "default",
         *,
+        tenant: str | None = None,
         max_queue_len: int | None = None,
         result_ttl_s: float = 86400.0,
         connect_timeout: float | None = 5.0,
@@ -205,6 +208,7 @@ class ClientBase:
         limits: Limits = DEFAULT_LIMITS,
         **redis_options: Any,
     ) -> None:
+        tenant = validate_tenant(tenant)
         if isinstance(redis_url, str):
             options = redis_kwargs(connect_timeout, redis_options, asyncio=self._asyncio)
             self._redis = self._redis_class.from_url(redis_url, **options)
@@ -217,6 +221,7 @@ class ClientBase:
             self._owns_redis = False
         self._opts = ClientOptions(
             model=model,
+            tenant=tenant,
             max_queue_len=max_queue_len,
             result_ttl_s=result_ttl_s,
             block_ms=fit_block_ms(block_ms, self._redis),
@@ -242,7 +247,14 @@ class ClientBase:
         """Re-attach to a request submitted earlier (by any client, in any process) from its id."""
         return self._handle_class(self, request_id)
 
+    @property
+    def tenant(self) -> str:
+        """The tenant of the requests that name none."""
+        return self._opts.tenant
+
     def _prepare(self, prompt: str | None, kwargs: dict[str, Any]) -> Prepared:
+        if kwargs.get("tenant") is None:
+            kwargs["tenant"] = self._opts.tenant
         return build_request(prompt, limits=self._opts.limits, **kwargs)
 
     def _enqueue_args(self, p: Prepared) -> tuple[list[str], list[Any]]:

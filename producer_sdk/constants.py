@@ -12,3 +12,6 @@ FINISH_REASONS = ("stop", "length", "abort", "deadline", "tool_calls")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 V1_ROLES = ("system", "user", "assistant", "tool")
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+# A tenant id is part of Redis key names and a metric label: short, plain characters only.
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,32}")
+DEFAULT_TENANT = "default"  # the tenant of a request that names none

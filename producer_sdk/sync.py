@@ -18,7 +18,7 @@ from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
 from producer_sdk.contract import keys
-from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
+from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
 T = TypeVar("T")
@@ -88,7 +88,7 @@ class SyncHandle(HandleState):
         assert self.prepared is not None
         try:
             return self._client._enqueue(self.prepared)
-        except QueueFull as e:
+        except (QueueFull, RateLimited) as e:
             raise _core.lost_on_resubmit(self.request_id, e) from e
 
 
@@ -126,6 +126,7 @@ class Client(ClientBase):
         priority: int = 0,
         deadline: Any = None,
         metadata: Mapping[str, str] | None = None,
+        tenant: str | None = None,
         **sampling: Any,
     ) -> SyncHandle:
         """Enqueue a request; see `AsyncClient.submit`."""
@@ -142,6 +143,7 @@ class Client(ClientBase):
                 priority=priority,
                 deadline=deadline,
                 metadata=metadata,
+                tenant=tenant,
                 **sampling,
             ),
         )
@@ -149,7 +151,7 @@ class Client(ClientBase):
 
     def submit_many(self, items: Iterable[str | Mapping[str, Any]], **common: Any) -> list[SyncHandle]:
         """Submit many requests in one pipeline; see `AsyncClient.submit_many`."""
-        prepared = _core.prepare_many(items, common, self._opts.limits)
+        prepared = _core.prepare_many(items, common, self._opts.limits, self._opts.tenant)
         if prepared:
             self._check_model()
 
