@@ -223,3 +223,17 @@ def test_entry_tenant_field():
     assert entry({b"t": b"team-a"}).tenant == "team-a"
     assert entry({}).tenant == "default"  # an older SDK's entry
     assert entry({b"t": b"bad name"}).tenant == "default"
+
+
+def test_gateway_keys_name_valid_tenants_and_rate_limited_is_openais_429():
+    from producer_sdk.gateway.auth import KeyEntry, KeyFileError, KeyRing
+    from producer_sdk.gateway.errors import from_sdk
+
+    with pytest.raises(KeyFileError, match="tenant"):
+        KeyRing({"sk-1": KeyEntry("team a")})
+    assert KeyRing({"sk-1": KeyEntry("team-a")}).caller("Bearer sk-1").tenant == "team-a"
+    err = from_sdk(RateLimited("team-a", "requests_per_minute", 10, 10, 12.3451))
+    assert err.status == 429 and err.headers == {"Retry-After": "13", "retry-after-ms": "12345"}
+    body = json.loads(err.json())["error"]
+    assert (body["type"], body["code"], body["param"]) == ("requests", "rate_limit_exceeded", None)
+    assert "requests per min (RPM): Limit 10, Used 10" in body["message"]
