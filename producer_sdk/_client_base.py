@@ -18,6 +18,7 @@ from producer_sdk._core import (
     prepare_many,
 )
 from producer_sdk._stream import Backoff, Follower, outcome
+from producer_sdk.constants import DEFAULT_TENANT
 from producer_sdk.contract import scripts
 from producer_sdk.contract.connection import client_options
 from producer_sdk.errors import (
@@ -29,7 +30,7 @@ from producer_sdk.protocol import (
     Usage,
 )
 from producer_sdk.results import Completion
-from producer_sdk.validation import DEFAULT_LIMITS, Limits
+from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_tenant
 
 # --- served models --------------------------------------------------------------------------------
 
@@ -72,6 +73,7 @@ def _text(x: Any) -> str:
 
 class ClientOptions(msgspec.Struct, kw_only=True):
     model: str = "default"
+    tenant: str = DEFAULT_TENANT  # of every request that names none
     max_queue_len: int | None = None
     result_ttl_s: float = 86400.0
     block_ms: int = 2000
@@ -202,6 +204,7 @@ class ClientBase:
         redis_url: Any = "redis://localhost:6379/0",
         model: str = "default",
         *,
+        tenant: str | None = None,
         max_queue_len: int | None = None,
         result_ttl_s: float = 86400.0,
         connect_timeout: float | None = 5.0,
@@ -214,6 +217,7 @@ class ClientBase:
         propagate_trace: bool = True,
         **redis_options: Any,
     ) -> None:
+        tenant = validate_tenant(tenant)
         if isinstance(redis_url, str):
             options = redis_kwargs(connect_timeout, redis_options, asyncio=self._asyncio)
             self._redis = self._redis_class.from_url(redis_url, **options)
@@ -226,6 +230,7 @@ class ClientBase:
             self._owns_redis = False
         self._opts = ClientOptions(
             model=model,
+            tenant=tenant,
             max_queue_len=max_queue_len,
             result_ttl_s=result_ttl_s,
             block_ms=fit_block_ms(block_ms, self._redis),
@@ -252,11 +257,18 @@ class ClientBase:
         """Re-attach to a request submitted earlier (by any client, in any process) from its id."""
         return self._handle_class(self, request_id)
 
+    @property
+    def tenant(self) -> str:
+        """The tenant of the requests that name none."""
+        return self._opts.tenant
+
     def _prepare(self, prompt: str | None, kwargs: dict[str, Any]) -> Prepared:
+        if kwargs.get("tenant") is None:
+            kwargs["tenant"] = self._opts.tenant
         return build_request(prompt, limits=self._opts.limits, propagate_trace=self._opts.propagate_trace, **kwargs)
 
     def _prepare_many(self, items: Any, common: dict[str, Any]) -> list[Prepared]:
-        return prepare_many(items, common, self._opts.limits, self._opts.propagate_trace)
+        return prepare_many(items, common, self._opts.limits, self._opts.propagate_trace, self._opts.tenant)
 
     def _enqueue_args(self, p: Prepared) -> tuple[list[str], list[Any]]:
         return enqueue_keys_args(p, self.model, self._opts.max_queue_len, self._opts.result_ttl_s)

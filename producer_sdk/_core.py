@@ -18,10 +18,12 @@ import msgspec
 from producer_sdk import trace_context
 from producer_sdk._stream import Follower, translate_redis_error
 from producer_sdk.chat import Message, NamedToolChoice, ResponseFormat, Tool
+from producer_sdk.constants import DEFAULT_TENANT
 from producer_sdk.contract import keys, scripts
 from producer_sdk.errors import (
     ProtocolError,
     QueueFull,
+    RateLimited,
     RequestLost,
     ValidationError,
 )
@@ -35,17 +37,19 @@ from producer_sdk.protocol import (
     now_ms,
     schema_error,
 )
-from producer_sdk.validation import DEFAULT_LIMITS, Limits
+from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_tenant
 from producer_sdk.validation_chat import min_version
 
 # --- building a request ---------------------------------------------------------------------------
 
 
 class Prepared(msgspec.Struct):
-    """A checked, encoded request, ready for the enqueue script."""
+    """A checked, encoded request, ready for the enqueue script, and the tenant it counts under (it
+    travels in the entry, next to the payload)."""
 
     request: GenerateRequest
     payload: bytes
+    tenant: str = DEFAULT_TENANT
 
     @property
     def request_id(self) -> str:
@@ -116,6 +120,7 @@ def build_request(
     add_generation_prompt: bool = True,
     traceparent: str | None = None,
     tracestate: str | None = None,
+    tenant: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
     propagate_trace: bool = True,
     **sampling: Any,
@@ -125,6 +130,7 @@ def build_request(
     Without an explicit `traceparent` (nor `tracestate`), the current OpenTelemetry span's context is
     carried when `propagate_trace` (see `trace_context`)."""
     _check_sampling_names(sampling)
+    tenant = validate_tenant(tenant)
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     if sampling.get("structured_outputs") is not None:
@@ -166,7 +172,7 @@ def build_request(
     except msgspec.ValidationError as e:
         raise schema_error(e, "request", ValidationError) from None
     request.v = min_version(request)
-    return Prepared(request, encode_request(request, limits))
+    return Prepared(request, encode_request(request, limits), tenant)
 
 
 def split_submit_item(item: str | Mapping[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -183,7 +189,7 @@ def split_submit_item(item: str | Mapping[str, Any]) -> tuple[tuple, dict[str, A
 
 
 def enqueue_keys_args(p: Prepared, model: str, max_queue_len: int | None, ttl_s: float) -> tuple[list[str], list[Any]]:
-    return scripts.enqueue_call(model, p.lane, p.request_id, p.payload, max_queue_len, int(ttl_s * 1000))
+    return scripts.enqueue_call(model, p.lane, p.request_id, p.payload, max_queue_len, int(ttl_s * 1000), p.tenant)
 
 
 def _s(x: Any) -> str:
@@ -196,13 +202,16 @@ class EnqueueResult(msgspec.Struct):
 
 
 def parse_enqueue_reply(reply: Any, p: Prepared) -> EnqueueResult:
-    """Interpret the script's reply; raise QueueFull for a full queue."""
+    """Interpret the script's reply; raise QueueFull for a full queue, RateLimited for a tenant over
+    its quota."""
     try:
         r = scripts.read_enqueue(reply)
     except ValueError as e:
         raise ProtocolError(str(e)) from None
     if r.status == "full":
         raise QueueFull(p.lane, r.queued, r.limit)
+    if r.status == "limited":
+        raise RateLimited(p.tenant, r.quota or "", r.queued, r.limit, max(r.retry_after_ms, 1) / 1000)
     return EnqueueResult(r.status == "duplicate", r.entry_id)
 
 
@@ -223,16 +232,22 @@ def queue_liveness(pipe: Any, f: Follower) -> None:
 
 
 def prepare_many(
-    items: Iterable[str | Mapping[str, Any]], common: Mapping[str, Any], limits: Limits, propagate_trace: bool = True
+    items: Iterable[str | Mapping[str, Any]],
+    common: Mapping[str, Any],
+    limits: Limits,
+    propagate_trace: bool = True,
+    tenant: str | None = None,
 ) -> list[Prepared]:
-    """Build every request of `submit_many` first: nothing is sent if one of them is invalid."""
+    """Build every request of `submit_many` first: nothing is sent if one of them is invalid.
+    `tenant`: the client's, for the items that name none."""
     prepared = []
     for i, item in enumerate(items):
         args, kwargs = split_submit_item(item)
+        kwargs = {**common, **kwargs}
+        if kwargs.get("tenant") is None:
+            kwargs["tenant"] = tenant
         try:
-            prepared.append(
-                build_request(*args, **{**common, **kwargs}, limits=limits, propagate_trace=propagate_trace)
-            )
+            prepared.append(build_request(*args, **kwargs, limits=limits, propagate_trace=propagate_trace))
         except ValidationError as e:
             raise type(e)(f"submit_many item {i}: {e.message}", field=e.field) from None
     return prepared
@@ -240,17 +255,18 @@ def prepare_many(
 
 def parse_many_replies(
     prepared: Sequence[Prepared], replies: Sequence[Any]
-) -> tuple[list[EnqueueResult | None], QueueFull | None]:
-    """Per item: its EnqueueResult, or None where its lane was full (and the first QueueFull)."""
+) -> tuple[list[EnqueueResult | None], QueueFull | RateLimited | None]:
+    """Per item: its EnqueueResult, or None where it was refused (a full queue, a tenant over its
+    quota), and the first refusal."""
     results: list[EnqueueResult | None] = []
-    first_full: QueueFull | None = None
+    first_full: QueueFull | RateLimited | None = None
     for p, reply in zip(prepared, replies):
         if isinstance(reply, Exception):
             translated = translate_redis_error(reply)
             raise translated if translated is not None else reply
         try:
             results.append(parse_enqueue_reply(reply, p))
-        except QueueFull as full:
+        except (QueueFull, RateLimited) as full:
             results.append(None)
             first_full = first_full or full
     return results, first_full

@@ -20,7 +20,7 @@ from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
 from producer_sdk.contract import keys
-from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
+from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
 T = TypeVar("T")
@@ -105,14 +105,14 @@ class Handle(HandleState):
         assert self.prepared is not None
         try:
             return await self._client._enqueue(self.prepared)
-        except QueueFull as e:
+        except (QueueFull, RateLimited) as e:
             raise _core.lost_on_resubmit(self.request_id, e) from e
 
 
 class AsyncClient(ClientBase):
     """Producer client of one model namespace (`pagedq:{model}:*`), for asyncio.
 
-    ``AsyncClient(redis_url="redis://localhost:6379/0", model="default", *, max_queue_len=None,
+    ``AsyncClient(redis_url="redis://localhost:6379/0", model="default", *, tenant=None, max_queue_len=None,
     result_ttl_s=86400, connect_timeout=5.0, block_ms=2000, reconnect_attempts=10,
     reconnect_backoff_max_s=2.0, resubmit_lost=True, limits=DEFAULT_LIMITS, propagate_trace=True,
     **redis_options)``
@@ -122,6 +122,8 @@ class AsyncClient(ClientBase):
     ``decode_responses=False``). `redis_options` go to ``Redis.from_url`` (``ssl_ca_certs=``,
     ``ssl_certfile=``, ``ssl_keyfile=``, ``username=``, ``password=``, ...).
 
+    `tenant`: the tenant of every request that names none (default "default"): quotas set with
+    `pagedq tenant set` apply per tenant (see docs/tenants.md).
     `max_queue_len` caps each priority lane (default: the limit the workers publish in
     ``pagedq:{model}:config``, else none). `result_ttl_s`: lifetime of the idempotency marker and
     of cancel flags. `block_ms`: the XREAD BLOCK slice (after each idle slice the reader checks
@@ -169,6 +171,7 @@ class AsyncClient(ClientBase):
         metadata: Mapping[str, str] | None = None,
         traceparent: str | None = None,
         tracestate: str | None = None,
+        tenant: str | None = None,
         **sampling: Any,
     ) -> Handle:
         """Enqueue a request and return its Handle at once.
@@ -187,7 +190,9 @@ class AsyncClient(ClientBase):
         Resubmitting an id already submitted (within `result_ttl_s`) adds nothing: the handle
         follows the existing request (`handle.duplicate` is True). `traceparent` / `tracestate`: a
         W3C Trace Context for the worker's spans (default: the current OpenTelemetry span's).
-        Raises ValidationError (nothing sent), QueueFull, AuthenticationFailed, ConnectionLost.
+        `tenant`: the tenant this request counts under (default: the client's).
+        Raises ValidationError (nothing sent), QueueFull, RateLimited (the tenant is over its quota;
+        `retry_after` seconds), AuthenticationFailed, ConnectionLost.
         """
         p = self._prepare(
             prompt,
@@ -204,6 +209,7 @@ class AsyncClient(ClientBase):
                 metadata=metadata,
                 traceparent=traceparent,
                 tracestate=tracestate,
+                tenant=tenant,
                 **sampling,
             ),
         )
@@ -212,7 +218,8 @@ class AsyncClient(ClientBase):
     async def submit_many(self, items: Iterable[str | Mapping[str, Any]], **common: Any) -> list[Handle]:
         """Submit many requests in one pipeline. Items are prompt strings or dicts of `submit`
         arguments; `common` arguments apply to every item. All are validated before any is sent.
-        A full lane raises QueueFull after the others went through (`QueueFull.handles` has them).
+        A full lane raises QueueFull (a tenant over its quota RateLimited) after the others went
+        through (`.handles` has them).
         """
         prepared = self._prepare_many(items, common)
         if prepared:

@@ -18,3 +18,6 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
 TRACEPARENT_PATTERN = re.compile(r"(?!ff)([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[ -~]*)?")
 TRACEPARENT_MAX_CHARS = 256
 TRACESTATE_MAX_CHARS = 512  # the length the spec asks every vendor to propagate
+# A tenant id is part of Redis key names and a metric label: short, plain characters only.
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,32}")
+DEFAULT_TENANT = "default"  # the tenant of a request that names none

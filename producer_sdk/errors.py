@@ -116,6 +116,29 @@ class QueueFull(PagedqError):
         self.handles = handles
 
 
+class RateLimited(PagedqError):
+    """The request's tenant is over its quota: `quota` "max_queued" (outstanding requests of this
+    model, `used` of `limit`) or "requests_per_minute" (requests accepted in the current minute).
+    Nothing was enqueued; `retry_after` is when to try again, in seconds (for max_queued a hint:
+    a slot frees when one of the tenant's requests finishes).
+
+    From `submit_many`, `handles` lists one entry per input, as for QueueFull.
+    """
+
+    def __init__(
+        self, tenant: str, quota: str, used: int, limit: int, retry_after: float, *, handles: list | None = None
+    ) -> None:
+        super().__init__(
+            f"tenant {tenant!r} is over its quota {quota} ({used} of {limit}); retry in {retry_after:.3f}s"
+        )
+        self.tenant = tenant
+        self.quota = quota
+        self.used = used
+        self.limit = limit
+        self.retry_after = retry_after
+        self.handles = handles
+
+
 class RequestError(PagedqError):
     """An error about one request; `request_id` names it."""
 
@@ -205,6 +228,7 @@ __all__ = [
     "PermissionDenied",
     "ProtocolError",
     "QueueFull",
+    "RateLimited",
     "RequestError",
     "RequestFailed",
     "RequestLost",

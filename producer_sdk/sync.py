@@ -18,7 +18,7 @@ from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
 from producer_sdk.contract import keys
-from producer_sdk.errors import QueueFull, RequestFailed, RequestTimeout
+from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
 T = TypeVar("T")
@@ -88,7 +88,7 @@ class SyncHandle(HandleState):
         assert self.prepared is not None
         try:
             return self._client._enqueue(self.prepared)
-        except QueueFull as e:
+        except (QueueFull, RateLimited) as e:
             raise _core.lost_on_resubmit(self.request_id, e) from e
 
 
@@ -128,6 +128,7 @@ class Client(ClientBase):
         metadata: Mapping[str, str] | None = None,
         traceparent: str | None = None,
         tracestate: str | None = None,
+        tenant: str | None = None,
         **sampling: Any,
     ) -> SyncHandle:
         """Enqueue a request; see `AsyncClient.submit`."""
@@ -146,6 +147,7 @@ class Client(ClientBase):
                 metadata=metadata,
                 traceparent=traceparent,
                 tracestate=tracestate,
+                tenant=tenant,
                 **sampling,
             ),
         )

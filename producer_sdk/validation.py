@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from producer_sdk.constants import (
+    DEFAULT_TENANT,
     PROTOCOL_VERSION,
     REQUEST_ID_PATTERN,
     ROLES,
     SUPPORTED_VERSIONS,
+    TENANT_PATTERN,
     TRACEPARENT_MAX_CHARS,
     TRACEPARENT_PATTERN,
     TRACESTATE_MAX_CHARS,
@@ -211,3 +213,12 @@ def _field_value(obj: Any, dotted: str) -> Any:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validate_tenant(tenant: str | None) -> str:
+    """The tenant a request is counted under (`DEFAULT_TENANT` for None); ValidationError if malformed."""
+    if tenant is None:
+        return DEFAULT_TENANT
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
+        raise ValidationError(f"tenant must match {TENANT_PATTERN.pattern} (got {_short(tenant)})", field="tenant")
+    return tenant

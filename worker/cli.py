@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="queue lengths and workers with their load")
     add_stats_args(stats)
     stats.set_defaults(func=cmd_stats)
+    from worker.cli_tenant import add_tenant_args
+
+    add_tenant_args(sub.add_parser("tenant", help="tenant quotas: set, show, delete, recount"))
 
     bench = sub.add_parser("bench", help="benchmarks (from a source checkout: ops/bench)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -1,17 +1,21 @@
 """The Redis contract between producers and workers, in one place.
 
 - `keys`: every key name and stream entry field.
-- `pagedq.lua` + `scripts`: every atomic step (enqueue, publish, drop, claim_own), their arguments
-  and replies.
+- `pagedq.lua` + `scripts`: every atomic step (enqueue, publish, drop, claim_own, recount), their
+  arguments and replies.
 - `producer_sdk.protocol`: what the entries hold (msgpack request and event Structs).
 
 Request entry
-    ``XADD <keys.lane_stream(model, lane)> * id <request_id> d <msgpack GenerateRequest>`` through the
-    `enqueue` step, which refuses with ``full`` when the model's lanes together hold `limit` entries
-    (the SDK's limit, else the ``max_queue_len`` a worker put in ``keys.config(model)``, else
-    `scripts.DEFAULT_MAX_QUEUE_LEN`), answers ``duplicate`` while ``keys.submitted_marker(id)``
-    exists (a resubmit follows the existing request), else adds the entry and sets the marker.
-    Queue length = XLEN of the lanes: a worker XDELs an entry once its request finished.
+    ``XADD <keys.lane_stream(model, lane)> * id <request_id> t <tenant> d <msgpack GenerateRequest>``
+    through the `enqueue` step, which answers ``duplicate`` while ``keys.submitted_marker(id)``
+    exists (a resubmit follows the existing request), refuses with ``full`` when the model's lanes
+    together hold `limit` entries (the SDK's limit, else the ``max_queue_len`` a worker put in
+    ``keys.config(model)``, else `scripts.DEFAULT_MAX_QUEUE_LEN`), with ``limited`` when the tenant
+    is over its quota (``keys.tenant_quota``: max_queued per model, counted in
+    ``keys.tenant_queued(model)``; requests_per_minute, counted in ``keys.tenant_rate``), else adds
+    the entry, sets the marker and counts it for its tenant.
+    Queue length = XLEN of the lanes: a worker XDELs an entry once its request finished, in the
+    step that also takes it off its tenant's count (only when that XDEL removed it).
 
 Response stream ``keys.response_stream(id)``
     One entry per event: ``e`` = msgpack event, ``s`` = its seq (0, 1, 2, ... per request, contiguous

@@ -8,6 +8,7 @@ LANES = ("high", "normal", "low")  # read in this order
 # Fields of a request entry: the request id (readable even when the payload is not) and the payload.
 ENTRY_ID_FIELD = "id"
 ENTRY_DATA_FIELD = "d"
+ENTRY_TENANT_FIELD = "t"  # the tenant the entry is counted under (absent in entries of older SDKs)
 # Fields of a response entry: the msgpack event and its seq (what writers deduplicate on).
 EVENT_FIELD = "e"
 EVENT_SEQ_FIELD = "s"
@@ -78,3 +79,29 @@ def gateway_record(request_id: str) -> str:
 def submitted_marker(request_id: str) -> str:
     """Set (NX, with TTL) by the enqueue script: makes resubmitting the same request id a no-op."""
     return f"{PREFIX}:req:{request_id}"
+
+
+# --- tenants ----------------------------------------------------------------------------------------
+
+
+def tenants() -> str:
+    """Set of the tenant names that have a quota (`tenant_quota`)."""
+    return f"{PREFIX}:tenants"
+
+
+def tenant_quota(tenant: str) -> str:
+    """Hash of a tenant's quota: max_queued (per model), requests_per_minute (all models); absent or
+    0: unlimited. The enqueue step reads it."""
+    return f"{PREFIX}:tenant:{tenant}:quota"
+
+
+def tenant_rate(tenant: str) -> str:
+    """Hash of a tenant's current rate window: w (the window's number: unix ms // window length) and
+    n (requests enqueued in it); expires after the window."""
+    return f"{PREFIX}:tenant:{tenant}:rate"
+
+
+def tenant_queued(model: str) -> str:
+    """Hash: tenant -> outstanding entries (queued + in flight) of the model, counted by the enqueue
+    step and decremented by the step that deletes the entry."""
+    return f"{PREFIX}:{model}:tenant_queued"

@@ -29,12 +29,29 @@ local function owns(lane, group, consumer, entry)
   return p[1] ~= nil and p[1][2] == consumer
 end
 
--- Ack and delete a finished entry; with dead-letter fields, copy it to the dead-letter stream.
+-- The tenant field `t` of an entry, nil when the entry is gone or has none (an older SDK's).
+local function entry_tenant(lane, entry)
+  local got = redis.call('XRANGE', lane, entry, entry)
+  if #got == 0 then return nil end
+  local fields = got[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 't' then return fields[i + 1] end
+  end
+  return nil
+end
+
+-- Ack and delete a finished entry; with dead-letter fields, copy it to the dead-letter stream. The
+-- entry's tenant count (hash `counts`) goes down when this call is the one that deletes the entry,
+-- so a repeated call never counts it twice; a broken count never blocks the ack.
 -- ARGV from `at`: min id of the dead-letter stream (trims letters older than the retention), then
 -- field/value pairs (none: no dead letter).
-local function retire(lane, dead, group, entry, argv, at)
+local function retire(lane, dead, counts, group, entry, argv, at)
   redis.call('XACK', lane, group, entry)
-  redis.call('XDEL', lane, entry)
+  local tenant = entry_tenant(lane, entry)
+  if redis.call('XDEL', lane, entry) == 1 and tenant then
+    local left = redis.pcall('HINCRBY', counts, tenant, -1)
+    if type(left) == 'number' and left <= 0 then redis.pcall('HDEL', counts, tenant) end
+  end
   if #argv > at then
     local fields = {}
     for i = at + 1, #argv do fields[#fields + 1] = argv[i] end
@@ -42,10 +59,24 @@ local function retire(lane, dead, group, entry, argv, at)
   end
 end
 
--- Submit. KEYS: target lane, submitted marker, config hash, then every lane of the model.
+-- Now in unix ms: ARGV's when given (> 0, tests), else the Redis server's clock.
+local function now_ms(given)
+  local now = tonumber(given) or 0
+  if now > 0 then return now end
+  if redis.replicate_commands then redis.replicate_commands() end  -- Redis < 7: TIME before writes
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Submit. KEYS: target lane, submitted marker, config hash, tenant counts of the model, the tenant's
+-- quota hash, the tenant's rate window hash, then every lane of the model.
 -- ARGV: request id, payload, queue limit (<= 0: the config hash's max_queue_len, else the default
--- in ARGV[5]; <= 0 there too: unlimited), marker TTL ms, default limit.
--- Reply: {'duplicate'} | {'full', queued, limit} | {'ok', entry id}.
+-- in ARGV[5]; <= 0 there too: unlimited), marker TTL ms, default limit, tenant, now ms (<= 0: Redis
+-- TIME), rate window ms, retry-after ms to answer when the tenant's max_queued is reached.
+-- The tenant's quota: at most max_queued outstanding entries of this model, and at most
+-- requests_per_minute entries per window (fixed windows: now // window) over all models.
+-- Only an accepted request counts. Reply: {'duplicate'} | {'full', queued, limit} |
+-- {'limited', quota name, used, limit, retry-after ms} | {'ok', entry id}.
 local function enqueue(KEYS, ARGV)
   if redis.call('EXISTS', KEYS[2]) == 1 then return {'duplicate'} end
   local limit = tonumber(ARGV[3]) or 0
@@ -54,17 +85,40 @@ local function enqueue(KEYS, ARGV)
   end
   if limit > 0 then
     local queued = 0
-    for i = 4, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+    for i = 7, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
     if queued >= limit then return {'full', queued, limit} end
   end
-  local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'd', ARGV[2])
+  local tenant = ARGV[6]
+  local quota = redis.call('HMGET', KEYS[5], 'max_queued', 'requests_per_minute')
+  local max_queued, per_window = tonumber(quota[1] or '') or 0, tonumber(quota[2] or '') or 0
+  local mine = tonumber(redis.call('HGET', KEYS[4], tenant) or '') or 0
+  if max_queued > 0 and mine >= max_queued then
+    return {'limited', 'max_queued', mine, max_queued, tonumber(ARGV[9])}
+  end
+  local window, used, now, length = 0, 0, 0, tonumber(ARGV[8])
+  if per_window > 0 then
+    now = now_ms(ARGV[7])
+    window = math.floor(now / length)
+    local rate = redis.call('HMGET', KEYS[6], 'w', 'n')
+    if tonumber(rate[1] or '') == window then used = tonumber(rate[2] or '') or 0 end
+    if used >= per_window then
+      return {'limited', 'requests_per_minute', used, per_window, (window + 1) * length - now}
+    end
+  end
+  local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 't', tenant, 'd', ARGV[2])
   redis.call('SET', KEYS[2], 1, 'PX', ARGV[4])
+  redis.call('HINCRBY', KEYS[4], tenant, 1)
+  if per_window > 0 then
+    redis.call('HSET', KEYS[6], 'w', window, 'n', used + 1)
+    redis.call('PEXPIRE', KEYS[6], (window + 1) * length - now + length)
+  end
   return {'ok', entry}
 end
 
 -- Write one request's events, fenced on ownership and idempotent by seq; a final batch also acks
 -- (and optionally dead-letters) the request entry.
--- KEYS: lane stream, response stream, dead-letter stream, submitted marker (expires with the result).
+-- KEYS: lane stream, response stream, dead-letter stream, submitted marker (expires with the result),
+-- tenant counts of the model.
 -- ARGV: group, consumer, entry id, stream cap (0: none), live TTL ms, result TTL ms, first seq,
 -- final (0/1), event count n, the n events, then (final only) the dead-letter part of `retire`.
 -- Reply: {status, last seq stored}; status: 'ok' written (or already there), 'done' a final batch
@@ -96,18 +150,19 @@ local function publish(KEYS, ARGV)
     end
   end
   if final then
-    retire(lane, dead, group, entry, ARGV, 10 + n)
+    retire(lane, dead, KEYS[5], group, entry, ARGV, 10 + n)
     if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], ARGV[6]) end
   end
   return {'ok', math.max(last, first + n - 1)}
 end
 
 -- Refuse an entry that has no addressable response stream: ack, delete, dead-letter; fenced.
--- KEYS: lane stream, dead-letter stream. ARGV: group, consumer, entry id, then `retire`'s part.
+-- KEYS: lane stream, dead-letter stream, tenant counts of the model. ARGV: group, consumer, entry id,
+-- then `retire`'s part.
 -- Reply: 'ok' | 'lost'.
 local function drop(KEYS, ARGV)
   if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then return 'lost' end
-  retire(KEYS[1], KEYS[2], ARGV[1], ARGV[3], ARGV, 4)
+  retire(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[3], ARGV, 4)
   return 'ok'
 end
 
@@ -125,4 +180,41 @@ local function claim_own(KEYS, ARGV)
     end
   end
   return lost
+end
+
+-- Count a model's outstanding entries per tenant again from its lanes, and replace the tenant counts
+-- with the result (repairs counts after entries were lost or deleted by hand, or acked by workers
+-- older than the counts). KEYS: tenant counts of the model, then every lane.
+-- Reply: tenant, count, tenant, count, ...
+local function recount(KEYS, ARGV)
+  local counts, names = {}, {}
+  for i = 2, #KEYS do
+    local from = '-'
+    while true do
+      local batch = redis.call('XRANGE', KEYS[i], from, '+', 'COUNT', 1000)
+      for _, e in ipairs(batch) do
+        local fields = e[2]
+        for j = 1, #fields, 2 do
+          if fields[j] == 't' then
+            local t = fields[j + 1]
+            if counts[t] == nil then
+              counts[t] = 0
+              names[#names + 1] = t
+            end
+            counts[t] = counts[t] + 1
+          end
+        end
+      end
+      if #batch < 1000 then break end
+      from = '(' .. batch[#batch][1]
+    end
+  end
+  redis.call('DEL', KEYS[1])
+  local reply = {}
+  for _, t in ipairs(names) do
+    redis.call('HSET', KEYS[1], t, counts[t])
+    reply[#reply + 1] = t
+    reply[#reply + 1] = counts[t]
+  end
+  return reply
 end

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from producer_sdk.constants import DEFAULT_TENANT
 from producer_sdk.contract import keys
 
 LIBRARY = resources.files("producer_sdk.contract").joinpath("pagedq.lua").read_text(encoding="utf-8")
@@ -26,9 +27,13 @@ ENQUEUE = _step("enqueue")
 PUBLISH = _step("publish")
 DROP = _step("drop")
 CLAIM_OWN = _step("claim_own")
+RECOUNT = _step("recount")
 
 DEFAULT_MAX_QUEUE_LEN = 10_000  # per model, all lanes together, unless a worker or the SDK sets one
 HANDOVER_IDLE_MS = 10**12  # "idle forever": the next XAUTOCLAIM of any worker takes the entry
+RATE_WINDOW_MS = 60_000  # the window of a tenant's requests_per_minute
+QUEUED_RETRY_AFTER_MS = 1_000  # the retry-after answered when a tenant's max_queued is reached
+QUOTA_FIELDS = ("max_queued", "requests_per_minute")  # of keys.tenant_quota(tenant)
 
 
 def _s(x: Any) -> str:
@@ -39,23 +44,38 @@ def _s(x: Any) -> str:
 
 
 def enqueue_call(
-    model: str, lane: str, request_id: str, payload: bytes, max_queue_len: int | None, marker_ttl_ms: int
+    model: str,
+    lane: str,
+    request_id: str,
+    payload: bytes,
+    max_queue_len: int | None,
+    marker_ttl_ms: int,
+    tenant: str = DEFAULT_TENANT,
+    *,
+    now_ms: int = 0,
+    window_ms: int = RATE_WINDOW_MS,
 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of `enqueue`."""
+    """KEYS and ARGV of `enqueue`. `now_ms` 0: the rate window is read from Redis's clock."""
     ks = [
         keys.lane_stream(model, lane),
         keys.submitted_marker(request_id),
         keys.config(model),
+        keys.tenant_queued(model),
+        keys.tenant_quota(tenant),
+        keys.tenant_rate(tenant),
         *(keys.lane_stream(model, name) for name in keys.LANES),
     ]
-    return ks, [request_id, payload, int(max_queue_len or 0), max(1, int(marker_ttl_ms)), DEFAULT_MAX_QUEUE_LEN]
+    args = [request_id, payload, int(max_queue_len or 0), max(1, int(marker_ttl_ms)), DEFAULT_MAX_QUEUE_LEN]
+    return ks, [*args, tenant, int(now_ms), int(window_ms), QUEUED_RETRY_AFTER_MS]
 
 
 class EnqueueReply(msgspec.Struct, frozen=True):
-    status: str  # ok | duplicate | full
+    status: str  # ok | duplicate | full | limited
     entry_id: str | None = None
-    queued: int = 0
+    queued: int = 0  # full: the model's outstanding entries; limited: the tenant's use of `quota`
     limit: int = 0
+    quota: str | None = None  # limited: max_queued | requests_per_minute
+    retry_after_ms: int = 0  # limited: when to try again
 
 
 def read_enqueue(reply: Sequence[Any]) -> EnqueueReply:
@@ -64,6 +84,10 @@ def read_enqueue(reply: Sequence[Any]) -> EnqueueReply:
         return EnqueueReply(status, entry_id=_s(reply[1]))
     if status == "full":
         return EnqueueReply(status, queued=int(reply[1]), limit=int(reply[2]))
+    if status == "limited":
+        return EnqueueReply(
+            status, queued=int(reply[2]), limit=int(reply[3]), quota=_s(reply[1]), retry_after_ms=int(reply[4])
+        )
     if status == "duplicate":
         return EnqueueReply(status)
     raise ValueError(f"unexpected reply from the enqueue script: {reply!r}")
@@ -117,6 +141,7 @@ def publish_call(
         keys.response_stream(request_id),
         keys.dead_letters(model),
         keys.submitted_marker(request_id),
+        keys.tenant_queued(model),
     ]
     args: list[Any] = [group, consumer, entry_id, cap, live_ttl_ms, result_ttl_ms, first_seq, int(final)]
     args += [len(events), *events]
@@ -142,7 +167,8 @@ def read_publish(reply: Sequence[Any]) -> PublishReply:
 def drop_call(
     model: str, lane: str, *, group: str, consumer: str, entry_id: str, dead_letter: DeadLetter
 ) -> tuple[list[str], list[Any]]:
-    return [keys.lane_stream(model, lane), keys.dead_letters(model)], [group, consumer, entry_id, *dead_letter.args()]
+    ks = [keys.lane_stream(model, lane), keys.dead_letters(model), keys.tenant_queued(model)]
+    return ks, [group, consumer, entry_id, *dead_letter.args()]
 
 
 def claim_own_call(
@@ -154,3 +180,12 @@ def claim_own_call(
 def read_claim_own(reply: Sequence[Any]) -> set[str]:
     """The entry ids the consumer no longer owns."""
     return {_s(x) for x in reply}
+
+
+def recount_call(model: str) -> tuple[list[str], list[Any]]:
+    return [keys.tenant_queued(model), *(keys.lane_stream(model, name) for name in keys.LANES)], []
+
+
+def read_recount(reply: Sequence[Any]) -> dict[str, int]:
+    """Tenant -> outstanding entries, as counted again."""
+    return {_s(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}

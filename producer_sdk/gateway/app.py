@@ -142,6 +142,7 @@ class Gateway:
         submit = dict(m.submit)
         if caller.tenant is not None:
             submit["metadata"] = {**submit.get("metadata", {}), "tenant": caller.tenant}
+            submit["tenant"] = caller.tenant  # its quota applies
         deadline = self.deadline_s(request)
         created = int(time.time())
         n = int(submit.get("n", 1))

@@ -7,8 +7,10 @@ The file is JSON, one entry per key::
       "sk-ops":      {"tenant": "ops"}
     }
 
-`models` absent (or containing "*") means every model. Keys are kept only as SHA-256 digests, and a
-presented key is looked up by its digest. Without a file every request is let in, with no tenant.
+`models` absent (or containing "*") means every model. A tenant is a tenant id of the SDK
+(`[A-Za-z0-9_-]`, at most 32 characters): its requests count against that tenant's quota
+(`pagedq tenant set`). Keys are kept only as SHA-256 digests, and a presented key is looked up by
+its digest. Without a file every request is let in, with no tenant (the SDK's "default").
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 
+from producer_sdk.constants import TENANT_PATTERN
 from producer_sdk.gateway import errors
 
 
@@ -57,6 +60,8 @@ class KeyRing:
         for key, e in entries.items():
             if not key or not e.tenant:
                 raise KeyFileError("every key and every tenant must be a non-empty string")
+            if not TENANT_PATTERN.fullmatch(e.tenant):
+                raise KeyFileError(f"tenant {e.tenant!r} must match {TENANT_PATTERN.pattern}")
             models = None if e.models is None or "*" in e.models else frozenset(e.models)
             self._by_digest[_digest(key)] = Caller(e.tenant, models)
 

@@ -3,6 +3,7 @@ that says what went wrong, and the mapping from the SDK's typed errors."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import msgspec
@@ -102,6 +103,24 @@ def queue_full(exc: sdk.QueueFull, retry_after_s: int) -> ApiError:
     )
 
 
+def rate_limited(exc: sdk.RateLimited) -> ApiError:
+    """OpenAI's answer to a rate limit: 429, code rate_limit_exceeded, type "requests" (a request
+    count, as OpenAI's RPM limits), `Retry-After` in whole seconds (rounded up) and `retry-after-ms`
+    (which the `openai` client prefers)."""
+    what = "requests per min (RPM)" if exc.quota == "requests_per_minute" else "requests in the queue"
+    return ApiError(
+        429,
+        f"Rate limit reached for tenant {exc.tenant} on {what}: Limit {exc.limit}, Used {exc.used}, "
+        f"Requested 1. Please try again in {exc.retry_after:.3f}s.",
+        type="requests",
+        code="rate_limit_exceeded",
+        headers={
+            "Retry-After": str(max(1, math.ceil(exc.retry_after))),
+            "retry-after-ms": str(max(1, round(exc.retry_after * 1000))),
+        },
+    )
+
+
 def unauthorized(message: str) -> ApiError:
     return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -139,6 +158,8 @@ def from_sdk(
         return invalid(exc.message, param)
     if isinstance(exc, sdk.QueueFull):
         return queue_full(exc, retry_after_s)
+    if isinstance(exc, sdk.RateLimited):
+        return rate_limited(exc)
     if isinstance(exc, sdk.ModelNotFound):
         return model_not_found(exc.model, exc.served)
     if isinstance(exc, sdk.DeadlineExceeded):

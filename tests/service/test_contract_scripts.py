@@ -150,7 +150,7 @@ def test_enqueue_caps_the_whole_model_not_each_lane(r):
     assert (replies[-1].queued, replies[-1].limit) == (3, 3)
     # Without a limit from the SDK or a worker, the default cap applies.
     ks, args = scripts.enqueue_call(MODEL, "normal", "req-cap-default", b"p", None, 60_000)
-    assert args[-1] == scripts.DEFAULT_MAX_QUEUE_LEN
+    assert args[4] == scripts.DEFAULT_MAX_QUEUE_LEN
     assert scripts.read_enqueue(enqueue(keys=ks, args=args)).status == "ok"
     assert scripts.read_enqueue(enqueue(keys=ks, args=args)).status == "duplicate"
 

@@ -12,7 +12,7 @@ import redis
 from redis.asyncio.connection import SSLConnection as AsyncSSLConnection
 from sdk_fake_worker import FakeWorker
 
-from producer_sdk import AsyncClient, AuthenticationFailed, Client, PermissionDenied
+from producer_sdk import AsyncClient, AuthenticationFailed, Client, PermissionDenied, tenants
 from worker.service.redis_proc import RedisProcess, free_port
 
 MODEL = "default"
@@ -20,6 +20,7 @@ MODEL = "default"
 SDK_COMMANDS = [
     "+@connection", "+evalsha", "+script|load", "+script|exists", "+xread", "+exists", "+set",
     "+publish", "+xlen", "+zrange", "+zrem", "+mget", "+hget", "+xadd",
+    "+hmget", "+hincrby", "+hset", "+pexpire", "+time",  # tenant quotas in the enqueue step
 ]  # fmt: skip
 
 
@@ -53,7 +54,10 @@ async def test_acl_user_restricted_to_pagedq_keys(redis_url, acl_user):
         # a key outside pagedq:* is really off limits for this user
         with pytest.raises(redis.exceptions.NoPermissionError):
             await client.redis.get("other:key")
-    with Client(url, MODEL) as sync_client:
+    admin = redis.Redis.from_url(redis_url)
+    tenants.set_quota(admin, "team-a", max_queued=100, requests_per_minute=100)  # every quota command runs
+    admin.close()
+    with Client(url, MODEL, tenant="team-a") as sync_client:
         assert sync_client.submit("z").entry_id
 
 

@@ -36,7 +36,7 @@ def acl(redis_url):
 
     def user(template: str, name: str, password: str, **replace: str) -> str:
         args = documented_acl(template)
-        args = [a.replace(template, name) if a.startswith("~") or a.startswith("&") else a for a in args]
+        args = [a.replace(template, name) if a.startswith(("~", "&", "%")) else a for a in args]
         for old, new in replace.items():
             args = [a.replace(old, new) for a in args]
         args = [f">{password}" if a.startswith(">") else a for a in args]
@@ -56,10 +56,10 @@ def test_documented_acls_isolate_tenants(llama_dir, redis_url, acl):
     tenant_b = acl("tenant-a", "tenant-b", "pw-b")
     w = WorkerProc(llama_dir, worker_url, model="tenant-a", metrics=False).start()
     try:
-        with Client(tenant_a, model="tenant-a") as a:
+        with Client(tenant_a, model="tenant-a", tenant="tenant-a") as a:
             res = a.generate("hello from a", max_tokens=5, temperature=0, ignore_eos=True, timeout=60)
             assert res.finish_reason == "length" and len(res.token_ids) == 5
-        with Client(tenant_b, model="tenant-a") as b, pytest.raises(PermissionDenied):
+        with Client(tenant_b, model="tenant-a", tenant="tenant-b") as b, pytest.raises(PermissionDenied):
             b.submit("b writes into a's queue", max_tokens=5)
         raw_b = redis.Redis.from_url(tenant_b)
         with pytest.raises(redis.exceptions.NoPermissionError):

@@ -181,6 +181,7 @@ class Admission:
             entry_id=e.entry_id,
             request=req,
             max_events=(sp.max_tokens or self.engine.limits.max_model_len) * sp.n + 16,
+            tenant=e.tenant,
             deliveries=e.deliveries,
             read_at=e.read_at,
         )
@@ -240,5 +241,5 @@ class Admission:
     async def dead_letter(self, rec: InFlight, code: str, message: str) -> None:
         """Dead-letter a request this worker had accepted (its payload re-encoded)."""
         payload = encode_request(rec.request, limits=None)
-        entry = Entry(rec.lane, rec.stream, rec.entry_id, {ENTRY_DATA_FIELD.encode(): payload}, rec.deliveries)
+        entry = Entry(rec.lane, rec.stream, rec.entry_id, rec.fields(payload), rec.deliveries)
         await self.closer.refuse(entry, rec.request_id, code, message, seq=rec.next_seq, attempt=rec.attempt)

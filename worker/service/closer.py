@@ -49,7 +49,10 @@ class EntryCloser:
     async def answer(self, e: Entry, request_id: str, event: Finished) -> None:
         await self._call_publish(e, request_id, event.seq, event, None)
         self.metrics.labels(self.metrics.requests_finished, finished_reason=event.finish_reason).inc()
-        self.log.info("answered without compute", request_id=request_id, finish_reason=event.finish_reason)
+        self.metrics.tenant_finished(e.tenant, event.finish_reason)
+        self.log.info(
+            "answered without compute", request_id=request_id, finish_reason=event.finish_reason, tenant=e.tenant
+        )
 
     async def ack(self, e: Entry, request_id: str, last_seq: int) -> None:
         await self._call_publish(e, request_id, last_seq + 1, None, None)
@@ -63,13 +66,16 @@ class EntryCloser:
             error = Error(seq=seq, attempt=attempt, code=code, message=message)
             await self._call_publish(e, request_id, seq, error, letter)
             self.metrics.labels(self.metrics.requests_failed, code=code).inc()
+            self.metrics.tenant_finished(e.tenant, "error")
         else:
             ks, args = scripts.drop_call(
                 self.model, e.lane, group=self.group, consumer=self.consumer, entry_id=e.entry_id, dead_letter=letter
             )
             await retrying(lambda: self._drop(keys=ks, args=args), self._on_retry)
         self.metrics.labels(self.metrics.dead_letters, code=code).inc()
-        self.log.warning("dead-lettered", request_id=request_id, code=code, reason=message, entry=e.entry_id)
+        self.log.warning(
+            "dead-lettered", request_id=request_id, code=code, reason=message, entry=e.entry_id, tenant=e.tenant
+        )
 
     def _letter(self, e: Entry, request_id: str | None, code: str, message: str) -> DeadLetter:
         payload = e.fields.get(ENTRY_DATA_FIELD.encode(), b"")

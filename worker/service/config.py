@@ -42,6 +42,9 @@ class ServiceConfig:
     health_stall_s: float = option(
         60.0, "/health fails when the engine had work but made no progress for this many seconds"
     )
+    max_tenant_labels: int = option(
+        20, 'distinct tenant label values on metrics; later tenants are counted as tenant="other"', type=int
+    )
     arq_queue: str | None = option(
         None, "also serve pagedq_generate jobs of this arq queue (pip install 'pagedq[arq]')"
     )

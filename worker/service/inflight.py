@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from producer_sdk.constants import REQUEST_ID_PATTERN
-from producer_sdk.contract.keys import ENTRY_ID_FIELD
+from producer_sdk.constants import DEFAULT_TENANT, REQUEST_ID_PATTERN, TENANT_PATTERN
+from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, ENTRY_TENANT_FIELD
 from producer_sdk.protocol import GenerateRequest
 
 
@@ -29,6 +29,13 @@ class Entry:
         rid = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
         return rid if REQUEST_ID_PATTERN.fullmatch(rid) else None
 
+    @property
+    def tenant(self) -> str:
+        """The tenant field (DEFAULT_TENANT when absent, from an older SDK, or malformed)."""
+        raw = self.fields.get(ENTRY_TENANT_FIELD.encode(), b"")
+        tenant = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        return tenant if TENANT_PATTERN.fullmatch(tenant) else DEFAULT_TENANT
+
 
 @dataclass
 class InFlight:
@@ -38,6 +45,7 @@ class InFlight:
     entry_id: str
     request: GenerateRequest
     max_events: int  # MAXLEN cap of the response stream
+    tenant: str = DEFAULT_TENANT  # the entry's tenant field
     attempt: int = 1  # 1 + number of attempts before this one
     deliveries: int = 1  # how many times Redis has handed the entry out
     next_seq: int = 0  # seq of the next event this worker writes
@@ -60,7 +68,14 @@ class InFlight:
         return self.request.sampling.n
 
     def entry(self) -> Entry:
-        return Entry(self.lane, self.stream, self.entry_id, {}, self.deliveries, self.read_at)
+        return Entry(self.lane, self.stream, self.entry_id, self.fields(), self.deliveries, self.read_at)
+
+    def fields(self, payload: bytes | None = None) -> dict[bytes, bytes]:
+        """Entry fields rebuilt from what the worker holds (the tenant, and the payload if given)."""
+        fields = {ENTRY_TENANT_FIELD.encode(): self.tenant.encode()}
+        if payload is not None:
+            fields[ENTRY_DATA_FIELD.encode()] = payload
+        return fields
 
 
 InFlightTable = dict[str, InFlight]

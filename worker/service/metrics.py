@@ -2,7 +2,8 @@
 
 Each worker process owns one `WorkerMetrics` with its own registry (tests run several in one
 process). Labels: `model` on everything (the key namespace), plus `lane` / `finished_reason` /
-`code` where named.
+`code` / `tenant` where named. Tenant labels are bounded: the first `max_tenant_labels` tenants
+this worker sees get their own value, later ones are counted under `OTHER_TENANT`.
 """
 
 from __future__ import annotations
@@ -35,12 +36,33 @@ _LATENCY_BUCKETS = (
 )
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
 _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+OTHER_TENANT = "other"  # the label of the tenants beyond max_tenant_labels
+DEFAULT_MAX_TENANT_LABELS = 20
+
+
+class TenantLabels:
+    """A bounded set of tenant label values: the first `limit` tenants seen keep their name."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_TENANT_LABELS) -> None:
+        self.limit = max(0, limit)
+        self.named: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self.named:
+            return tenant
+        if len(self.named) < self.limit:
+            self.named.add(tenant)
+            return tenant
+        return OTHER_TENANT
 
 
 class WorkerMetrics:
-    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model: str, registry: CollectorRegistry | None = None, max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model = model
+        self.tenant_label = TenantLabels(max_tenant_labels)
         r, m = self.registry, ["model"]
 
         def gauge(name: str, doc: str, labels: list[str] = m) -> Gauge:
@@ -76,6 +98,16 @@ class WorkerMetrics:
             "pagedq_request_success", "Requests finished, by finish reason", [*m, "finished_reason"]
         )
         self.requests_failed = counter("pagedq_request_errors", "Requests answered with an Error event", [*m, "code"])
+        self.tenant_requests = counter(
+            "pagedq_tenant_requests_finished",
+            "Requests ended, by tenant and finish reason (error: an Error event)",
+            [*m, "tenant", "finished_reason"],
+        )
+        self.tenant_completion_tokens = counter(
+            "pagedq_tenant_completion_tokens",
+            "Completion tokens (as in usage) of the requests finished, by tenant",
+            [*m, "tenant"],
+        )
         self.dead_letters = counter("pagedq_dead_letters", "Entries moved to the dead-letter stream", [*m, "code"])
         self.reclaimed = counter("pagedq_requests_reclaimed", "Requests taken over from a dead worker")
         self.redis_errors = counter("pagedq_redis_errors", "Redis calls that failed (and were retried)")
@@ -94,6 +126,13 @@ class WorkerMetrics:
 
     def labels(self, metric, **labels):
         return metric.labels(model=self.model, **labels)
+
+    def tenant_finished(self, tenant: str, finished_reason: str, completion_tokens: int = 0) -> None:
+        """Count a request of `tenant` that ended ("error" for an Error event)."""
+        label = self.tenant_label(tenant)
+        self.labels(self.tenant_requests, tenant=label, finished_reason=finished_reason).inc()
+        if completion_tokens:
+            self.labels(self.tenant_completion_tokens, tenant=label).inc(completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -317,10 +317,13 @@ class Publisher:
         if out.error:
             code = out.error_code or "engine_error"
             met.labels(met.requests_failed, code=code).inc()
-            self.log.warning("request failed", request_id=rec.request_id, code=code, error=out.error)
+            met.tenant_finished(rec.tenant, "error")
+            self.log.warning("request failed", request_id=rec.request_id, code=code, error=out.error, tenant=rec.tenant)
             return
         reason = out.outputs[0].finish_reason or "abort"
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         met.labels(met.requests_finished, finished_reason=reason).inc()
+        met.tenant_finished(rec.tenant, reason, completion_tokens)
         for hist, value in ((met.queue_time, m.queue_time), (met.ttft, m.ttft), (met.e2e, m.e2e)):
             if value is not None:
                 met.labels(hist).observe(value)
@@ -331,10 +334,11 @@ class Publisher:
         self.log.info(
             "request finished",
             request_id=rec.request_id,
+            tenant=rec.tenant,
             finish_reason=reason,
             attempt=rec.attempt,
             prompt_tokens=len(out.prompt_token_ids),
-            completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+            completion_tokens=completion_tokens,
             cached_tokens=m.num_cached_tokens,
             queue_ms=ms(m.queue_time),
             ttft_ms=ms(m.ttft),

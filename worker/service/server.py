@@ -52,7 +52,7 @@ class WorkerService:
         self.engine, self.config = engine, config
         self.model = cfg.model_name
         self.consumer = cfg.consumer or f"{socket.gethostname()}-{os.getpid()}"
-        self.metrics = metrics or WorkerMetrics(self.model)
+        self.metrics = metrics or WorkerMetrics(self.model, max_tenant_labels=cfg.max_tenant_labels)
         self.log = get_logger("pagedq.worker", worker=self.consumer, model=self.model)
         self.inflight: InFlightTable = {}
         self.stopping = asyncio.Event()

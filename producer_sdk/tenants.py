@@ -1,0 +1,115 @@
+"""Tenant quotas: set, read and repair them (what `pagedq tenant ...` runs), on a blocking redis-py client.
+
+A quota lives in Redis (`keys.tenant_quota`) and the enqueue step enforces it atomically with the
+submit: at most `max_queued` outstanding requests (queued or running) of each model, and at most
+`requests_per_minute` requests accepted per minute over all models (fixed windows of the Redis
+clock). 0 or absent: unlimited. A tenant with no quota is unlimited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from producer_sdk.contract import keys, scripts
+from producer_sdk.validation import validate_tenant
+
+
+class TenantQuota(msgspec.Struct, frozen=True, kw_only=True):
+    tenant: str
+    max_queued: int = 0  # outstanding requests per model; 0: unlimited
+    requests_per_minute: int = 0  # over all models; 0: unlimited
+
+
+class TenantUsage(msgspec.Struct, kw_only=True):
+    tenant: str
+    quota: TenantQuota
+    queued: dict[str, int]  # model -> outstanding requests (queued or running)
+    requests_this_minute: int | None  # None: not counted (no requests_per_minute quota)
+
+
+def _int(raw: Any) -> int:
+    try:
+        return max(0, int(raw))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def set_quota(
+    r: Any, tenant: str, *, max_queued: int | None = None, requests_per_minute: int | None = None
+) -> TenantQuota:
+    """Set a tenant's quota (a field left None keeps its value; 0 means unlimited). Takes effect
+    with the next submit."""
+    tenant = validate_tenant(tenant)
+    fields = {
+        name: value for name, value in zip(scripts.QUOTA_FIELDS, (max_queued, requests_per_minute)) if value is not None
+    }
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0 (0: unlimited), not {value!r}")
+    pipe = r.pipeline(transaction=True)
+    if fields:
+        pipe.hset(keys.tenant_quota(tenant), mapping=fields)
+    pipe.sadd(keys.tenants(), tenant)
+    pipe.execute()
+    return get_quota(r, tenant)
+
+
+def delete_quota(r: Any, tenant: str) -> bool:
+    """Remove a tenant's quota (it becomes unlimited); False if it had none."""
+    tenant = validate_tenant(tenant)
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(keys.tenant_quota(tenant), keys.tenant_rate(tenant))
+    pipe.srem(keys.tenants(), tenant)
+    deleted, removed = pipe.execute()
+    return bool(deleted or removed)
+
+
+def get_quota(r: Any, tenant: str) -> TenantQuota:
+    values = r.hmget(keys.tenant_quota(validate_tenant(tenant)), list(scripts.QUOTA_FIELDS))
+    return TenantQuota(tenant=tenant, **{n: _int(v) for n, v in zip(scripts.QUOTA_FIELDS, values)})
+
+
+def quota_tenants(r: Any) -> list[str]:
+    """The tenants that have a quota, sorted."""
+    return sorted(_text(t) for t in r.smembers(keys.tenants()))
+
+
+def served_models(r: Any) -> list[str]:
+    return sorted(_text(m) for m in r.zrange(keys.models(), 0, -1))
+
+
+def usage(r: Any, models: Iterable[str] | None = None, tenants: Iterable[str] | None = None) -> list[TenantUsage]:
+    """Quota and use of each tenant: those given, else those with a quota or with outstanding
+    requests of one of `models` (default: the models workers serve)."""
+    models = served_models(r) if models is None else list(models)
+    counts: dict[str, dict[str, int]] = {}
+    for model in models:
+        for tenant, n in r.hgetall(keys.tenant_queued(model)).items():
+            if _int(n) > 0:
+                counts.setdefault(_text(tenant), {})[model] = _int(n)
+    names = sorted(set(quota_tenants(r)) | set(counts)) if tenants is None else [validate_tenant(t) for t in tenants]
+    seconds, micros = r.time()
+    window = (int(seconds) * 1000 + int(micros) // 1000) // scripts.RATE_WINDOW_MS
+    out = []
+    for tenant in names:
+        quota = get_quota(r, tenant)
+        used = None
+        if quota.requests_per_minute:
+            w, n = r.hmget(keys.tenant_rate(tenant), ["w", "n"])
+            used = _int(n) if w is not None and _int(w) == window else 0
+        out.append(TenantUsage(tenant=tenant, quota=quota, queued=counts.get(tenant, {}), requests_this_minute=used))
+    return out
+
+
+def recount(r: Any, model: str) -> dict[str, int]:
+    """Count the model's outstanding requests per tenant again from its lanes and store the result
+    (repairs the counts max_queued reads after entries were deleted by hand or lost)."""
+    ks, args = scripts.recount_call(model)
+    return scripts.read_recount(r.register_script(scripts.RECOUNT)(keys=ks, args=args))

@@ -1,0 +1,239 @@
+"""Tenants and their quotas against a real redis-server: the enqueue step itself (time passed in, so
+windows need no sleeping), the ack that gives a queued slot back, the recount, the SDK's RateLimited,
+the `pagedq tenant` command, and the worker's bounded tenant labels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from producer_sdk import AsyncClient, Client, RateLimited, ValidationError, tenants
+from producer_sdk.contract import keys, scripts
+from producer_sdk.protocol import Finished, encode_event
+from worker.cli import main as pagedq
+from worker.service.inflight import Entry
+from worker.service.metrics import OTHER_TENANT, TenantLabels, WorkerMetrics
+
+MODEL = "default"
+GROUP = keys.group(MODEL)
+MINUTE = scripts.RATE_WINDOW_MS
+T0 = 1_000 * MINUTE  # the start of a window
+
+
+@pytest.fixture
+def r(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    for lane in keys.LANES:
+        client.xgroup_create(keys.lane_stream(MODEL, lane), GROUP, id="0", mkstream=True)
+    yield client
+    client.close()
+
+
+def enqueue(r, rid, tenant, *, now_ms=0, model=MODEL) -> scripts.EnqueueReply:
+    ks, args = scripts.enqueue_call(model, "normal", rid, b"payload", None, 60_000, tenant, now_ms=now_ms)
+    return scripts.read_enqueue(r.register_script(scripts.ENQUEUE)(keys=ks, args=args))
+
+
+def queued(r, tenant, model=MODEL) -> int:
+    return int(r.hget(keys.tenant_queued(model), tenant) or 0)
+
+
+def take(r, consumer="w1") -> tuple[str, dict]:
+    got = r.xreadgroup(GROUP, consumer, {keys.lane_stream(MODEL): ">"}, count=1)
+    entry_id, fields = got[0][1][0]
+    return entry_id.decode(), fields
+
+
+def finish(r, rid, entry_id, consumer="w1") -> scripts.PublishReply:
+    ks, args = scripts.publish_call(
+        MODEL,
+        "normal",
+        rid,
+        group=GROUP,
+        consumer=consumer,
+        entry_id=entry_id,
+        cap=0,
+        live_ttl_ms=60_000,
+        result_ttl_ms=60_000,
+        first_seq=0,
+        events=[encode_event(Finished(seq=0, finish_reason="stop"))],
+        final=True,
+    )
+    return scripts.read_publish(r.register_script(scripts.PUBLISH)(keys=ks, args=args))
+
+
+# --- the enqueue step -------------------------------------------------------------------------------
+
+
+def test_max_queued_is_per_tenant_and_per_model(r):
+    tenants.set_quota(r, "team-a", max_queued=2)
+    assert enqueue(r, "req-a-000001", "team-a").status == "ok"
+    assert enqueue(r, "req-a-000002", "team-a").status == "ok"
+    over = enqueue(r, "req-a-000003", "team-a")
+    assert over == scripts.EnqueueReply(
+        "limited", queued=2, limit=2, quota="max_queued", retry_after_ms=scripts.QUEUED_RETRY_AFTER_MS
+    )
+    assert not r.exists(keys.submitted_marker("req-a-000003"))  # nothing of it was written
+    assert enqueue(r, "req-b-000001", "team-b").status == "ok"  # another tenant is unaffected
+    assert enqueue(r, "req-a-other1", "team-a", model="other").status == "ok"  # another model's queue
+    assert (queued(r, "team-a"), queued(r, "team-b"), queued(r, "team-a", "other")) == (2, 1, 1)
+    assert r.xlen(keys.lane_stream(MODEL)) == 3
+    tenants_of = [f[keys.ENTRY_TENANT_FIELD.encode()] for _, f in r.xrange(keys.lane_stream(MODEL))]
+    assert tenants_of == [b"team-a", b"team-a", b"team-b"]
+
+
+def test_the_ack_gives_the_slot_back_once(r):
+    tenants.set_quota(r, "team-a", max_queued=1)
+    assert enqueue(r, "req-a-000001", "team-a").status == "ok"
+    entry_id, _ = take(r)
+    assert queued(r, "team-a") == 1  # taken by a worker, not finished: still outstanding
+    assert enqueue(r, "req-a-000002", "team-a").status == "limited"
+    assert finish(r, "req-a-000001", entry_id).status == "ok"
+    assert queued(r, "team-a") == 0 and not r.hexists(keys.tenant_queued(MODEL), "team-a")
+    assert finish(r, "req-a-000001", entry_id).status == "done"  # a retry after a lost reply
+    assert enqueue(r, "req-a-000002", "team-a").status == "ok"
+    assert queued(r, "team-a") == 1  # the retry did not count the entry down twice
+
+    # A refused entry (dropped: no addressable response stream) gives its slot back too.
+    entry_id, _ = take(r)
+    letter = scripts.DeadLetter("", "malformed", "bad", "normal", entry_id, "w1", b"", 0, "", "0-0")
+    ks, args = scripts.drop_call(MODEL, "normal", group=GROUP, consumer="w1", entry_id=entry_id, dead_letter=letter)
+    assert r.register_script(scripts.DROP)(keys=ks, args=args) == b"ok"
+    assert queued(r, "team-a") == 0
+
+
+def test_requests_per_minute_is_a_window_over_all_models(r):
+    tenants.set_quota(r, "team-a", requests_per_minute=2)
+    assert enqueue(r, "req-a-000001", "team-a", now_ms=T0 + 500).status == "ok"
+    assert enqueue(r, "req-a-000002", "team-a", now_ms=T0 + 900, model="other").status == "ok"
+    over = enqueue(r, "req-a-000003", "team-a", now_ms=T0 + 1_000)
+    assert over.status == "limited" and over.quota == "requests_per_minute"
+    assert (over.queued, over.limit, over.retry_after_ms) == (2, 2, MINUTE - 1_000)
+    # A resubmit of an accepted id follows it and is not counted; a refused request is not counted.
+    assert enqueue(r, "req-a-000001", "team-a", now_ms=T0 + 2_000).status == "duplicate"
+    assert r.hmget(keys.tenant_rate("team-a"), ["w", "n"]) == [str(T0 // MINUTE).encode(), b"2"]
+    assert enqueue(r, "req-b-000001", "team-b", now_ms=T0 + 2_000).status == "ok"  # no quota: unlimited
+    # The next window starts from zero.
+    assert enqueue(r, "req-a-000003", "team-a", now_ms=T0 + MINUTE).status == "ok"
+    assert r.hget(keys.tenant_rate("team-a"), "n") == b"1"
+    assert 0 < r.pttl(keys.tenant_rate("team-a")) <= 2 * MINUTE
+
+
+def test_requests_per_minute_on_the_redis_clock(r):
+    tenants.set_quota(r, "team-a", requests_per_minute=1)
+    # Three submits within milliseconds cross at most one window boundary: one of them is refused.
+    replies = [enqueue(r, f"req-clock-{i:04d}", "team-a") for i in range(3)]
+    refused = [x for x in replies if x.status == "limited"]
+    assert refused and all(0 < x.retry_after_ms <= MINUTE for x in refused)
+
+
+def test_recount_repairs_the_counts(r):
+    for i, tenant in enumerate(["team-a", "team-a", "team-b"]):
+        enqueue(r, f"req-count-{i:04d}", tenant)
+    r.xadd(keys.lane_stream(MODEL, "high"), {"id": "req-old-sdk-01", "d": b"p"})  # an older SDK's: no tenant
+    r.hset(keys.tenant_queued(MODEL), mapping={"team-a": 99, "gone": 5})
+    assert tenants.recount(r, MODEL) == {"team-a": 2, "team-b": 1}
+    assert r.hgetall(keys.tenant_queued(MODEL)) == {b"team-a": b"2", b"team-b": b"1"}
+
+
+# --- the SDK ----------------------------------------------------------------------------------------
+
+
+async def test_sdk_raises_rate_limited_and_other_tenants_go_on(redis_url, r):
+    tenants.set_quota(r, "team-a", max_queued=1)
+    async with AsyncClient(redis_url, MODEL, tenant="team-a") as a:
+        assert a.tenant == "team-a"
+        await a.submit("first")
+        with pytest.raises(RateLimited) as e:
+            await a.submit("second")
+        assert (e.value.tenant, e.value.quota, e.value.used, e.value.limit) == ("team-a", "max_queued", 1, 1)
+        assert e.value.retry_after > 0
+        handle = await a.submit("per call", tenant="team-b")  # the call's tenant wins
+        with pytest.raises(ValidationError) as bad:
+            await a.submit("x", tenant="no spaces")
+        assert bad.value.field == "tenant"
+        with pytest.raises(RateLimited) as many:
+            await a.submit_many(["one", {"prompt": "two", "tenant": "team-c"}])
+        assert many.value.handles[0] is None and many.value.handles[1] is not None
+    with Client(redis_url, MODEL) as anyone:  # no tenant: "default", no quota
+        anyone.submit("unlimited")
+    assert (queued(r, "team-a"), queued(r, "team-b"), queued(r, "team-c"), queued(r, "default")) == (1, 1, 1, 1)
+    fields = dict(r.xrange(keys.lane_stream(MODEL)))[handle.entry_id.encode()]
+    assert fields[keys.ENTRY_TENANT_FIELD.encode()] == b"team-b"
+    with pytest.raises(ValidationError):
+        Client(redis_url, MODEL, tenant="x" * 33)
+
+
+def test_sync_client_requests_per_minute(redis_url, r):
+    tenants.set_quota(r, "team-a", requests_per_minute=1)
+    refused = []
+    with Client(redis_url, MODEL, tenant="team-a") as a:
+        for _ in range(3):  # at most one window boundary in between: one is refused
+            try:
+                a.submit("hi")
+            except RateLimited as e:
+                refused.append(e)
+    assert refused and all(e.quota == "requests_per_minute" and 0 < e.retry_after <= 60 for e in refused)
+
+
+# --- `pagedq tenant` ----------------------------------------------------------------------------------
+
+
+def test_tenant_command(redis_url, r, capsys):
+    url = ["--redis-url", redis_url]
+    assert pagedq(["tenant", "set", "team-a", "--max-queued", "3", *url]) == 0
+    enqueue(r, "req-cli-00001", "team-a")  # no requests_per_minute yet: not counted in a window
+    enqueue(r, "req-cli-00002", "team-b")
+    assert pagedq(["tenant", "set", "team-a", "--requests-per-minute", "10", *url]) == 0
+    assert pagedq(["tenant", "set", "team-a", "--max-queued", "4", *url]) == 0  # the other field is kept
+    capsys.readouterr()
+    assert pagedq(["tenant", "show", "--json", *url]) == 0
+    rows = {row["tenant"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["team-a"]["quota"] == {"tenant": "team-a", "max_queued": 4, "requests_per_minute": 10}
+    assert rows["team-a"]["queued"] == {MODEL: 1} and rows["team-a"]["requests_this_minute"] == 0
+    assert rows["team-b"]["queued"] == {MODEL: 1} and rows["team-b"]["requests_this_minute"] is None
+    assert pagedq(["tenant", "show", "team-a", *url]) == 0
+    assert "team-a" in capsys.readouterr().out
+    assert pagedq(["tenant", "recount", "--model-name", MODEL, *url]) == 0
+    assert capsys.readouterr().out.strip() == "team-a 1, team-b 1"
+    assert pagedq(["tenant", "delete", "team-a", *url]) == 0
+    assert tenants.get_quota(r, "team-a") == tenants.TenantQuota(tenant="team-a")
+    assert pagedq(["tenant", "set", "bad name", "--max-queued", "1", *url]) == 1
+    assert pagedq(["tenant", "set", "team-a", "--max-queued", "-1", *url]) == 1
+
+
+# --- the worker's side ------------------------------------------------------------------------------
+
+
+def test_tenant_labels_are_bounded():
+    labels = TenantLabels(2)
+    assert [labels(t) for t in ["a", "b", "c", "a", "d"]] == ["a", "b", OTHER_TENANT, "a", OTHER_TENANT]
+    metrics = WorkerMetrics(MODEL, max_tenant_labels=1)
+    metrics.tenant_finished("a", "stop", 5)
+    metrics.tenant_finished("b", "stop", 7)
+    text = metrics.render().decode()
+    assert 'pagedq_tenant_requests_finished_total{finished_reason="stop",model="default",tenant="other"} 1.0' in text
+    assert 'pagedq_tenant_completion_tokens_total{model="default",tenant="a"} 5.0' in text
+
+
+def test_entry_tenant_field():
+    entry = lambda fields: Entry("normal", "s", "1-0", fields)
+    assert entry({b"t": b"team-a"}).tenant == "team-a"
+    assert entry({}).tenant == "default"  # an older SDK's entry
+    assert entry({b"t": b"bad name"}).tenant == "default"
+
+
+def test_gateway_keys_name_valid_tenants_and_rate_limited_is_openais_429():
+    from producer_sdk.gateway.auth import KeyEntry, KeyFileError, KeyRing
+    from producer_sdk.gateway.errors import from_sdk
+
+    with pytest.raises(KeyFileError, match="tenant"):
+        KeyRing({"sk-1": KeyEntry("team a")})
+    assert KeyRing({"sk-1": KeyEntry("team-a")}).caller("Bearer sk-1").tenant == "team-a"
+    err = from_sdk(RateLimited("team-a", "requests_per_minute", 10, 10, 12.3451))
+    assert err.status == 429 and err.headers == {"Retry-After": "13", "retry-after-ms": "12345"}
+    body = json.loads(err.json())["error"]
+    assert (body["type"], body["code"], body["param"]) == ("requests", "rate_limit_exceeded", None)
+    assert "requests per min (RPM): Limit 10, Used 10" in body["message"]

@@ -1,0 +1,86 @@
+"""`pagedq tenant set|show|delete|recount`: tenant quotas in Redis (the SDK, no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import msgspec
+
+from worker.local import default_redis_url
+
+
+def add_tenant_args(tenant: argparse.ArgumentParser) -> None:
+    actions = tenant.add_subparsers(dest="tenant_command", metavar="ACTION", required=True)
+
+    def action(name: str, help: str) -> argparse.ArgumentParser:
+        p = actions.add_parser(name, help=help)
+        p.add_argument("--redis-url", default=None, help="default: PAGEDQ_REDIS_URL, a running `pagedq up`, localhost")
+        p.set_defaults(func=cmd_tenant)
+        return p
+
+    s = action("set", help="set a tenant's quota (the next submit applies it)")
+    s.add_argument("name", help="tenant id ([A-Za-z0-9_-], at most 32 characters)")
+    s.add_argument("--max-queued", type=int, default=None, help="outstanding requests per model (0: unlimited)")
+    s.add_argument(
+        "--requests-per-minute", type=int, default=None, help="requests accepted per minute, all models (0: unlimited)"
+    )
+    show = action("show", help="quotas and current use of each tenant")
+    show.add_argument("name", nargs="*", help="only these tenants (default: those with a quota or requests)")
+    show.add_argument("--model-name", action="append", default=None, help="count these models (default: all served)")
+    show.add_argument("--json", action="store_true")
+    d = action("delete", help="remove a tenant's quota (it becomes unlimited)")
+    d.add_argument("name")
+    rc = action("recount", help="count a model's outstanding requests per tenant again from its queue")
+    rc.add_argument("--model-name", default="default", help="the model (key namespace)")
+
+
+def _limit(n: int) -> str:
+    return str(n) if n else "-"
+
+
+def render(rows: list) -> str:
+    lines = [f"{'tenant':<32} {'max queued':>10} {'req/min':>8} {'this min':>8}  queued per model"]
+    for u in rows:
+        this_minute = "-" if u.requests_this_minute is None else str(u.requests_this_minute)
+        queued = ", ".join(f"{m} {n}" for m, n in sorted(u.queued.items())) or "0"
+        lines.append(
+            f"{u.tenant:<32} {_limit(u.quota.max_queued):>10} {_limit(u.quota.requests_per_minute):>8} "
+            f"{this_minute:>8}  {queued}"
+        )
+    if not rows:
+        lines.append("(no tenant has a quota or outstanding requests)")
+    return "\n".join(lines)
+
+
+def cmd_tenant(args: argparse.Namespace) -> int:
+    import redis
+
+    from producer_sdk import PagedqError, tenants
+    from producer_sdk.contract.connection import client_options
+
+    r = redis.Redis.from_url(args.redis_url or default_redis_url(), **client_options(asyncio=False, socket_timeout=30))
+    try:
+        if args.tenant_command == "set":
+            q = tenants.set_quota(
+                r, args.name, max_queued=args.max_queued, requests_per_minute=args.requests_per_minute
+            )
+            print(
+                f"tenant {q.tenant}: max queued {_limit(q.max_queued)} per model, "
+                f"{_limit(q.requests_per_minute)} requests per minute"
+            )
+        elif args.tenant_command == "show":
+            rows = tenants.usage(r, args.model_name, args.name or None)
+            print(msgspec.json.encode(rows).decode() if args.json else render(rows))
+        elif args.tenant_command == "delete":
+            if not tenants.delete_quota(r, args.name):
+                print(f"tenant {args.name} had no quota", file=sys.stderr)
+        else:
+            counts = tenants.recount(r, args.model_name)
+            print(", ".join(f"{t} {n}" for t, n in sorted(counts.items())) or "no outstanding requests")
+    except (PagedqError, ValueError, redis.RedisError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        r.close()
+    return 0
