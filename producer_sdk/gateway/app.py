@@ -37,12 +37,26 @@ from producer_sdk.gateway.metrics import CountRequests, GatewayMetrics
 from producer_sdk.gateway.registry import Registry
 from producer_sdk.gateway.render import Renderer, request_id_of
 from producer_sdk.gateway.streams import Clock, EventStream, Reading, sse_frames, until_done_or_gone
+from producer_sdk.validation import trace_context_problems
 
 log = logging.getLogger("pagedq.gateway")
 REDIS_SOCKET_TIMEOUT_S = 30.0  # above the SDK's XREAD BLOCK slices
 # A waiting stream rechecks that its request still exists after each idle XREAD BLOCK of this long:
 # longer than the SDK's 2 s, so a gateway holding thousands of idle streams stays quiet.
 IDLE_BLOCK_MS = 10_000
+
+
+def trace_headers(headers: Any) -> dict[str, str]:
+    """The caller's W3C Trace Context, carried to the worker. As the spec asks of a receiver, a
+    malformed `traceparent` is ignored (the worker's spans then start their own trace); a malformed
+    `tracestate` is dropped and the `traceparent` kept."""
+    parent = headers.get("traceparent", "").strip()
+    if not parent or any(trace_context_problems(parent, None)):
+        return {}
+    state = headers.get("tracestate", "").strip()
+    if state and not any(trace_context_problems(parent, state)):
+        return {"traceparent": parent, "tracestate": state}
+    return {"traceparent": parent}
 
 
 def json_response(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -143,6 +157,7 @@ class Gateway:
         if caller.tenant is not None:
             submit["metadata"] = {**submit.get("metadata", {}), "tenant": caller.tenant}
             submit["tenant"] = caller.tenant  # its quota applies
+        submit.update(trace_headers(headers))
         deadline = self.deadline_s(request)
         created = int(time.time())
         n = int(submit.get("n", 1))

@@ -30,7 +30,13 @@ def gw_redis_url(redis_server) -> str:
 
 
 @pytest.fixture(scope="package")
-def gw_worker(llama_dir, gw_redis_url):
+def gw_spans(tmp_path_factory):
+    """Where the shared worker's `--otel-traces-file` exporter writes its spans (JSON lines)."""
+    return tmp_path_factory.mktemp("gw-spans") / "spans.jsonl"
+
+
+@pytest.fixture(scope="package")
+def gw_worker(llama_dir, gw_redis_url, gw_spans):
     w = WorkerProc(
         llama_dir,
         gw_redis_url,
@@ -40,7 +46,9 @@ def gw_worker(llama_dir, gw_redis_url):
         str(MAX_MODEL_LEN),
         "--chat-template",
         str(HERMES_TOOLS),
-        env={"PAGEDQ_FAULT_STEP_DELAY_S": STEP_DELAY_S},
+        "--otel-traces-file",
+        str(gw_spans),
+        env={"PAGEDQ_FAULT_STEP_DELAY_S": STEP_DELAY_S, "OTEL_BSP_SCHEDULE_DELAY": "50"},
     ).start()
     yield w
     w.stop()
