@@ -108,13 +108,14 @@ def add_stats_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds (Ctrl-C to quit)")
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--all-models", action="store_true", help="every model a worker served (not only --model-name)")
 
 
 def render_stats(stats) -> str:
     lines = [
         f"model {stats.model}: queued {stats.queued} "
         f"(high {stats.lanes.get('high', 0)}, normal {stats.lanes.get('normal', 0)}, low {stats.lanes.get('low', 0)})"
-        f"{'' if stats.max_queue_len is None else f' of max {stats.max_queue_len} per lane'}; "
+        f"{'' if stats.max_queue_len is None else f' of max {stats.max_queue_len}'}; "
         f"dead letters {stats.dead_letters}",
         f"{'worker':<28} {'running':>7} {'waiting':>7} {'kv use':>7} {'gen tok/s':>10} "
         f"{'prompt tok/s':>12} {'done':>6}",
@@ -136,15 +137,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     url = args.redis_url or default_redis_url()
     try:
-        with Client(url, model=args.model_name) as client:
+        with Client(url, model=args.model_name, check_model=False) as client:
             while True:
-                stats = client.queue_stats()
+                names = [m.name for m in client.served_models()] if args.all_models else [args.model_name]
+                every = [Client(client.redis, model=name, check_model=False).queue_stats() for name in names]
                 if args.json:
-                    print(msgspec.json.encode(stats).decode(), flush=True)
+                    for stats in every:
+                        print(msgspec.json.encode(stats).decode(), flush=True)
                 else:
                     if args.watch:
                         sys.stdout.write("\x1b[2J\x1b[H")
-                    print(render_stats(stats), flush=True)
+                    print("\n\n".join(map(render_stats, every)) or "(no model served yet)", flush=True)
                 if not args.watch:
                     return 0
                 time.sleep(args.interval)

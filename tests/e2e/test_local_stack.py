@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from tests.service.worker_proc import WorkerProc
 from worker.service.redis_proc import free_port
 
 
@@ -127,6 +128,22 @@ def test_up_submit_stats_and_ctrl_c(llama_dir, tmp_path):
         assert stats.returncode == 0, stats.stderr
         info = json.loads(stats.stdout)
         assert len(info["workers"]) == 1 and info["lanes"]["normal"] == 0
+
+        # a second model on the same Redis: served side by side, listed by stats --all-models
+        other = WorkerProc(llama_dir, f"redis://127.0.0.1:{port}/0", name="w-other", model="other", metrics=False)
+        other.start()
+        try:
+            done = _cli("submit", "Hi", "--model-name", "other", "--max-tokens", "3", "--json", env=env)
+            assert done.returncode == 0, done.stderr
+            every = _cli("stats", "--all-models", "--json", env=env)
+            assert every.returncode == 0, every.stderr
+            models = {m["model"]: m for m in map(json.loads, every.stdout.splitlines())}
+            assert set(models) == {"default", "other"}
+            assert all(len(m["workers"]) == 1 for m in models.values())
+            text = _cli("stats", "--all-models", env=env).stdout
+            assert "model default:" in text and "model other:" in text
+        finally:
+            other.stop()
 
         procs = _children(up.pid)
         assert len(procs) >= 2, "pagedq up should have a redis-server and a gateway child"
