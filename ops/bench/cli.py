@@ -198,11 +198,22 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for name in COMMANDS:
         add_options(sub.add_parser(name, help=helps[name]))
+    for name in DELEGATED:
+        # Benchmarks with options of their own: `pagedq bench NAME ...` runs `python -m ops.bench.NAME ...`
+        sub.add_parser(name, help=f"{DELEGATED_HELP[name]} (options: pagedq bench {name} --help)", add_help=False)
     return parser
+
+
+DELEGATED = {"structured": "ops.bench.structured"}
+DELEGATED_HELP = {"structured": "constrained decoding: throughput vs unconstrained, grammar compile and mask times"}
 
 
 def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
+    if raw and raw[0] in DELEGATED:
+        import importlib
+
+        return importlib.import_module(DELEGATED[raw[0]]).main(raw[1:])
     args = finalize(build_parser().parse_args(raw))
     command = "pagedq bench " + " ".join(shlex.quote(a) for a in raw)
     if args.bench == "report":

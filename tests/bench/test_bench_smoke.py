@@ -227,3 +227,9 @@ def test_python_m_ops_bench_is_the_bench_cli(tmp_path):
         timeout=120,
     )
     assert res.returncode == 2 and "python -m ops.bench" in res.stderr
+
+
+def test_pagedq_bench_hands_its_own_benchmarks_their_arguments(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["structured", "--help"])
+    assert done.value.code == 0 and "python -m ops.bench.structured" in capsys.readouterr().out

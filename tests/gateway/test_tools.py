@@ -115,13 +115,26 @@ def test_a_tool_turn_sent_back_reaches_the_worker_as_the_sdk_sends_it(client, fo
     assert (got.choices[0].message.content or "") == want.content
 
 
-def test_json_answers_follow_their_schema(client, gateway):
+def test_json_answers_follow_their_schema(client, gateway, offline, gw_redis_url):
+    from worker import SamplingParams, StructuredOutputsParams
+
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
     whole = client.chat.completions.create(
         model="default", messages=ASK, response_format=fmt, temperature=0, max_tokens=80
     )
     assert whole.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(whole.choices[0].message.content), CITY_SCHEMA)
+    # Greedy: the same answer offline, through the SDK and through the gateway
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=80,
+        structured_outputs=StructuredOutputsParams(json=CITY_SCHEMA, disable_any_whitespace=True),
+    )
+    want = offline.chat(ASK, params, use_tqdm=False)[0].outputs[0]
+    with Client(gw_redis_url) as sdk:
+        got = sdk.generate(messages=ASK, response_format=fmt, temperature=0, max_tokens=80)
+    assert whole.choices[0].message.content == got.text == want.text
+    assert whole.usage.completion_tokens == len(got.token_ids) == len(want.token_ids)
     chunks = client.chat.completions.create(
         model="default", messages=ASK, response_format=fmt, temperature=0, max_tokens=80, stream=True
     )
