@@ -226,14 +226,17 @@ async def drive(
     *,
     timeout: float,
     sample: Worker | None = None,
+    tenant: str | None = None,
 ) -> tuple[list[ReqResult], float, list[dict]]:
-    """Send `reqs` at `arrivals` (seconds from start) and stream them all back. Returns the results,
-    the start time (perf_counter) and, with `sample`, the worker's metrics every 0.5 s."""
+    """Send `reqs` at `arrivals` (seconds from start) and stream them all back (as `tenant`'s, else the
+    default tenant's). Returns the results, the start time (perf_counter) and, with `sample`, the
+    worker's metrics every 0.5 s."""
     from producer_sdk import AsyncClient
 
     results = [ReqResult(i, r.kind, len(r.prompt), r.max_tokens) for i, r in enumerate(reqs)]
     samples: list[dict] = []
-    async with AsyncClient(redis_url, model=namespace) as client:
+    options = {"tenant": tenant} if tenant else {}
+    async with AsyncClient(redis_url, model=namespace, **options) as client:
         t0 = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -281,8 +284,9 @@ def run_load(
     *,
     timeout: float,
     sample: Worker | None = None,
+    tenant: str | None = None,
 ) -> tuple[list[ReqResult], float, list[dict]]:
-    return asyncio.run(drive(redis_url, namespace, reqs, arrivals, timeout=timeout, sample=sample))
+    return asyncio.run(drive(redis_url, namespace, reqs, arrivals, timeout=timeout, sample=sample, tenant=tenant))
 
 
 def summarize(results: list[ReqResult], slo_ttft: float, slo_tpot: float, *, keep_samples: bool = False) -> dict:
