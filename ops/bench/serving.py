@@ -192,6 +192,8 @@ class ReqResult:
     t_end: float = math.nan
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens)
     error: str | None = None
+    worker_queue_s: float = math.nan  # the worker's own count: from the submit to the first schedule
+    worker_ttft_s: float = math.nan  # ... and to the first token computed (before it is published)
 
     @property
     def tokens(self) -> int:
@@ -254,6 +256,9 @@ async def drive(
                             res.t_first = now
                         res.chunks.append((now, len(chunk.token_ids)))
                 res.t_end = time.perf_counter()
+                timings = handle.timings
+                if timings is not None and timings.queue_ms is not None and timings.ttft_ms is not None:
+                    res.worker_queue_s, res.worker_ttft_s = timings.queue_ms / 1000, timings.ttft_ms / 1000
             except Exception as e:  # recorded, the run goes on
                 res.error = f"{type(e).__name__}: {e}"
                 res.t_end = time.perf_counter()

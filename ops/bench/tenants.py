@@ -18,9 +18,11 @@ machine's drift shows. Calm's reference p99 is the mean of the two solo phases' 
 with noisy <= 1.2x of it.
 
 TTFT: from the SDK's `submit` call to the first streamed token (`ops.bench.serving.drive`). Recorded
-with each phase, to tell where the time went: noisy's outstanding count and the engine's waiting and
-running requests (sampled every 0.5 s), and the CPU cores each process used. The result goes to
-ops/bench/results/tenants-<timestamp>.json (and latest/tenants.json).
+with each phase, to tell where the time went: the parts of calm's TTFT by the worker's own timings
+(submit to first schedule, the step that computes the first token, delivery to the client), noisy's
+outstanding count and the engine's waiting and running requests (sampled every 0.5 s), and the CPU
+cores each process used. The result goes to ops/bench/results/tenants-<timestamp>.json (and
+latest/tenants.json).
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ def calm_summary(results) -> dict:
         "ok": len(ok),
         "errors": sorted({r.error or f"{r.tokens}/{r.max_tokens} tokens" for r in results if not r.ok})[:5],
         "ttft_s": dist(r.ttft for r in ok),
+        # The worker's timings of the same requests (its clock is this machine's): submit to first
+        # schedule (Redis, intake, admission, waiting for a step), first schedule to first token (the
+        # step that computes it), and first token to the client seeing it (publish, XREAD).
+        "worker_queue_s": dist(r.worker_queue_s for r in ok),
+        "worker_compute_s": dist(r.worker_ttft_s - r.worker_queue_s for r in ok),
+        "delivery_s": dist(r.ttft - r.worker_ttft_s for r in ok),
         "e2e_s": dist(r.e2e for r in ok),
         "itl_s": dist(g for r in ok for _, g in r.gaps()),
         "ttft_samples_s": [round(r.ttft, 5) for r in ok],
@@ -251,6 +259,14 @@ def print_summary(result: dict) -> None:
             f"max {1000 * t['max']:7.1f} ms  ({p['ok']}/{p['requests']} ok); noisy outstanding mean "
             f"{p['noisy_outstanding']['mean']:.1f}, engine waiting max {p['engine_waiting']['max']:.0f}; "
             f"CPU cores used: {cpu}"
+        )
+        parts = ", ".join(
+            f"{name} {1000 * p[key]['p50']:.1f} / {1000 * p[key]['p99']:.1f}"
+            for name, key in (("to first schedule", "worker_queue_s"), ("step", "worker_compute_s"))
+        )
+        print(
+            f"    parts of it, p50 / p99 ms: {parts}, delivery {1000 * p['delivery_s']['p50']:.1f} / "
+            f"{1000 * p['delivery_s']['p99']:.1f}"
         )
     print(
         f"calm TTFT p99 with noisy / solo (mean of both solo runs): {result['ratio_p99']:.2f}x "

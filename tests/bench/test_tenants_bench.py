@@ -50,6 +50,8 @@ def test_tenants_bench_tiny_run_rate_limits_noisy(llama_dir, tmp_path, capsys):
         assert p["ok"] == p["requests"] and not p["errors"]
         assert p["ttft_s"]["n"] == p["ok"] and 0 < p["ttft_s"]["p50"] <= p["ttft_s"]["p99"]
         assert len(p["ttft_samples_s"]) == p["ok"]
+        for part in ("worker_queue_s", "worker_compute_s", "delivery_s"):  # the worker's timings came back
+            assert p[part]["n"] == p["ok"]
         assert {"noisy_outstanding", "engine_waiting", "engine_running", "wall_s", "cpu_cores"} <= set(p)
         assert {"worker", "redis", "calm_client"} <= set(p["cpu_cores"])
     assert res["phases"]["solo"]["noisy_outstanding"]["max"] == 0
