@@ -3,7 +3,7 @@ token stays close to what it is alone.
 
     python -m ops.bench.tenants                          # tiny model, about 2.5 minutes on 2 cores
     python -m ops.bench.tenants --model smollm2 --calm-rate 0.5    # SmolLM2 needs a lower rate (at 2/s on
-                                                                   # 2 cores, calm's requests took 6-9 s)
+                                                                   # 2 cores calm's requests took a median 6-9 s)
     python -m ops.bench.tenants --duration 3 --out /tmp/results    # seconds: a smoke run
 
 Setup: a real redis-server and one real `pagedq worker` process (prefix caching off: every phase sends
