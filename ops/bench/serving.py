@@ -192,6 +192,8 @@ class ReqResult:
     t_end: float = math.nan
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens)
     error: str | None = None
+    worker_queue_s: float = math.nan  # the worker's own count: from the submit to the first schedule
+    worker_ttft_s: float = math.nan  # ... and to the first token computed (before it is published)
 
     @property
     def tokens(self) -> int:
@@ -226,14 +228,17 @@ async def drive(
     *,
     timeout: float,
     sample: Worker | None = None,
+    tenant: str | None = None,
 ) -> tuple[list[ReqResult], float, list[dict]]:
-    """Send `reqs` at `arrivals` (seconds from start) and stream them all back. Returns the results,
-    the start time (perf_counter) and, with `sample`, the worker's metrics every 0.5 s."""
+    """Send `reqs` at `arrivals` (seconds from start) and stream them all back (as `tenant`'s, else the
+    default tenant's). Returns the results, the start time (perf_counter) and, with `sample`, the
+    worker's metrics every 0.5 s."""
     from producer_sdk import AsyncClient
 
     results = [ReqResult(i, r.kind, len(r.prompt), r.max_tokens) for i, r in enumerate(reqs)]
     samples: list[dict] = []
-    async with AsyncClient(redis_url, model=namespace) as client:
+    options = {"tenant": tenant} if tenant else {}
+    async with AsyncClient(redis_url, model=namespace, **options) as client:
         t0 = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -251,6 +256,9 @@ async def drive(
                             res.t_first = now
                         res.chunks.append((now, len(chunk.token_ids)))
                 res.t_end = time.perf_counter()
+                timings = handle.timings
+                if timings is not None and timings.queue_ms is not None and timings.ttft_ms is not None:
+                    res.worker_queue_s, res.worker_ttft_s = timings.queue_ms / 1000, timings.ttft_ms / 1000
             except Exception as e:  # recorded, the run goes on
                 res.error = f"{type(e).__name__}: {e}"
                 res.t_end = time.perf_counter()
@@ -281,8 +289,9 @@ def run_load(
     *,
     timeout: float,
     sample: Worker | None = None,
+    tenant: str | None = None,
 ) -> tuple[list[ReqResult], float, list[dict]]:
-    return asyncio.run(drive(redis_url, namespace, reqs, arrivals, timeout=timeout, sample=sample))
+    return asyncio.run(drive(redis_url, namespace, reqs, arrivals, timeout=timeout, sample=sample, tenant=tenant))
 
 
 def summarize(results: list[ReqResult], slo_ttft: float, slo_tpot: float, *, keep_samples: bool = False) -> dict:
