@@ -204,8 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DELEGATED = {"structured": "ops.bench.structured"}
-DELEGATED_HELP = {"structured": "constrained decoding: throughput vs unconstrained, grammar compile and mask times"}
+DELEGATED = {"structured": "ops.bench.structured", "tenants": "ops.bench.tenants"}
+DELEGATED_HELP = {
+    "structured": "constrained decoding: throughput vs unconstrained, grammar compile and mask times",
+    "tenants": "tenant isolation: a calm tenant's TTFT alone and beside one bursting 10x its quota",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
