@@ -44,6 +44,11 @@ def discovered_redis_url() -> str | None:
     return state.get("redis_url")
 
 
+REDIS_URL_HELP = (
+    "redis://, rediss:// or redis+sentinel:// (default: PAGEDQ_REDIS_URL, a running `pagedq up`, localhost)"
+)
+
+
 def default_redis_url() -> str:
     return os.environ.get("PAGEDQ_REDIS_URL") or discovered_redis_url() or "redis://127.0.0.1:6379/0"
 
