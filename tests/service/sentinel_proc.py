@@ -14,14 +14,29 @@ import redis
 from worker.service.redis_proc import RedisProcess, free_port
 
 SERVICE = "mymaster"
+# A primary that has not answered a PING for this long is down. Not less: a new primary busy with a
+# burst of writes (fsync on each) on a loaded machine can take over a second to answer one, and
+# Sentinel would then fail over again.
+DOWN_AFTER_MS = 2000
 
 
 class SentinelProcess:
     """One Sentinel; it rewrites its config file, so that file lives in its own folder."""
 
-    def __init__(self, folder: Path, primary_port: int, *, quorum: int, service: str = SERVICE) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        primary_port: int,
+        *,
+        quorum: int,
+        service: str = SERVICE,
+        password: str | None = None,
+        auth_pass: str | None = None,
+        down_after_ms: int = DOWN_AFTER_MS,
+    ) -> None:
         self.port = free_port()
         self.folder = folder
+        self.password = password
         self.conf = folder / "sentinel.conf"
         self.conf.write_text(
             "\n".join(
@@ -32,8 +47,10 @@ class SentinelProcess:
                     f"dir {folder}",
                     f"logfile {folder / 'sentinel.log'}",
                     f"sentinel monitor {service} 127.0.0.1 {primary_port} {quorum}",
-                    f"sentinel down-after-milliseconds {service} 1000",
+                    f"sentinel down-after-milliseconds {service} {down_after_ms}",
                     f"sentinel failover-timeout {service} 5000",
+                    *([f"sentinel auth-pass {service} {auth_pass}"] if auth_pass else []),
+                    *([f"requirepass {password}"] if password else []),
                     "",
                 ]
             )
@@ -59,7 +76,7 @@ class SentinelProcess:
         raise RuntimeError(f"sentinel on port {self.port} did not start: {self.log()}")
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5, decode_responses=True)
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=5, decode_responses=True)
 
     def log(self) -> str:
         path = self.folder / "sentinel.log"
@@ -76,11 +93,21 @@ class SentinelProcess:
 
 
 class SentinelGroup:
-    """Primary + replica + Sentinels. `url` is the redis+sentinel:// URL of the service; `failover()`
-    makes the replica the primary with `SENTINEL FAILOVER` and waits until the switch is complete."""
+    """Primary + replica + Sentinels; `url` is the redis+sentinel:// URL of the service. With
+    `password` the data nodes require it (and replicate with it), with `sentinel_password` the
+    Sentinels require theirs."""
 
-    def __init__(self, sentinels: int = 1, service: str = SERVICE, node_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        sentinels: int = 1,
+        service: str = SERVICE,
+        node_args: tuple[str, ...] = (),
+        password: str | None = None,
+        sentinel_password: str | None = None,
+    ) -> None:
         self.service = service
+        self.password, self.sentinel_password = password, sentinel_password
+        self._secured = False
         # No 5 s wait before a full sync (the default): a replica is in sync at once.
         self.node_args = ("--repl-diskless-sync-delay", "0", *node_args)
         self.n_sentinels = sentinels
@@ -94,19 +121,40 @@ class SentinelGroup:
         follow = ["--replicaof", "127.0.0.1", str(primary.port)]
         replica = RedisProcess(appendonly=True, extra_args=[*self.node_args, *follow])
         self.nodes.append(replica.start())
-        _wait(lambda: self._info(replica, "master_link_status") == "up", 10, "the replica to sync")
+        _wait(lambda: self.info(replica, "master_link_status") == "up", 10, "the replica to sync")
+        if self.password:  # set once in sync (RedisProcess checks a start with a bare PING)
+            for node in self.nodes:
+                c = redis.Redis(port=node.port, socket_timeout=5)
+                c.config_set("masterauth", self.password)
+                c.config_set("requirepass", self.password)
+                c.close()
+            self._secured = True
         quorum = self.n_sentinels // 2 + 1
         for i in range(self.n_sentinels):
             folder = self.folder / f"sentinel-{i}"
             folder.mkdir()
-            self.sentinels.append(SentinelProcess(folder, primary.port, quorum=quorum, service=self.service).start())
+            sentinel = SentinelProcess(
+                folder,
+                primary.port,
+                quorum=quorum,
+                service=self.service,
+                password=self.sentinel_password,
+                auth_pass=self.password,
+            )
+            self.sentinels.append(sentinel.start())
         _wait(self._ready, 20, "the Sentinels to see the replica and each other")
         return self
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
-        return f"redis+sentinel://{hosts}/{self.service}/0"
+        creds = f":{self.password}@" if self.password else ""
+        query = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
+        return f"redis+sentinel://{creds}{hosts}/{self.service}/0{query}"
+
+    def admin(self, node: RedisProcess) -> redis.Redis:
+        """A plain client of one data node."""
+        return redis.Redis(port=node.port, password=self.password if self._secured else None, socket_timeout=5)
 
     def primary(self) -> RedisProcess:
         """The node the Sentinels name as primary now."""
@@ -138,11 +186,12 @@ class SentinelGroup:
                 return False
         return True
 
-    @staticmethod
-    def _info(node: RedisProcess, field: str) -> str | None:
-        c = redis.Redis(port=node.port, socket_timeout=5, decode_responses=True)
+    def info(self, node: RedisProcess, field: str) -> str | None:
+        """A field of the node's INFO replication (None while it is down)."""
+        c = self.admin(node)
         try:
-            return c.info("replication").get(field)
+            value = c.info("replication").get(field)
+            return value.decode() if isinstance(value, bytes) else value
         except redis.ConnectionError:
             return None
         finally:
