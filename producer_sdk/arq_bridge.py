@@ -119,7 +119,7 @@ def redis_settings(redis_url: str) -> RedisSettings:
         host=target.sentinels,
         sentinel=True,
         sentinel_master=target.service_name,
-        database=target.db,
+        database=target.db or 0,
         username=target.username,
         password=target.password,
     )

@@ -83,7 +83,7 @@ def redis_from_url(url: str, *, asyncio: bool, **options: Any) -> Any:
 class SentinelURL:
     sentinels: list[tuple[str, int]]
     service_name: str
-    db: int = 0
+    db: int | None = None  # None: not in the URL (a `db` option, else 0)
     username: str | None = None  # of the primary (and its replicas)
     password: str | None = None
     sentinel_username: str | None = None  # of the Sentinels
@@ -112,7 +112,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     if not parts or len(parts) > 2:
         raise ValueError(f"a Sentinel URL names /service_name[/db] after its hosts: {redact_url(url)}")
     try:
-        db = int(parts[1]) if len(parts) == 2 else 0
+        db = int(parts[1]) if len(parts) == 2 else None
     except ValueError:
         raise ValueError(f"the db of a Sentinel URL is a number, not {parts[1]!r}") from None
     params = parse_qs(query, keep_blank_values=True, strict_parsing=False)
@@ -173,7 +173,8 @@ class _SentinelMaster(redis.Redis):
 
 def _sentinel_master(target: SentinelURL, *, asyncio: bool, options: dict[str, Any]) -> Any:
     master = dict(options)
-    master["db"] = target.db
+    if target.db is not None:
+        master["db"] = target.db
     if target.username is not None:
         master["username"] = target.username
     if target.password is not None:

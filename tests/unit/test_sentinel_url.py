@@ -122,3 +122,16 @@ def test_arq_settings_for_a_sentinel_url():
     assert redis_settings("redis://h:6379/1").host == "h"
     with pytest.raises(ValueError, match="Sentinels"):
         redis_settings("redis+sentinel://h1/svc?sentinel_password=x")
+
+
+def test_db_from_the_url_else_the_option_else_zero():
+    def db(url: str, **kw) -> int:
+        client = connect(url, asyncio=False, socket_timeout=1, **kw)
+        try:
+            return client.connection_pool.connection_kwargs.get("db", 0)
+        finally:
+            client.close()
+
+    assert db("redis+sentinel://h/m/2", db=4) == 2
+    assert db("redis+sentinel://h/m", db=4) == 4
+    assert db("redis+sentinel://h/m") == 0
