@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 REDIS_PY_NEWEST ?= redis==8.1.0
 REDIS_NEWEST_DIR := $(VENV)/redis-newest
 NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_resume.py tests/service/test_sdk_sync.py \
-	tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py tests/service/test_worker_service.py
+	tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py tests/service/test_worker_service.py \
+	tests/unit/test_sentinel_url.py tests/service/test_sentinel_service.py
 
 .PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server
 

@@ -20,7 +20,7 @@ from producer_sdk._core import (
 from producer_sdk._stream import Backoff, Follower, outcome
 from producer_sdk.constants import DEFAULT_TENANT
 from producer_sdk.contract import scripts
-from producer_sdk.contract.connection import client_options
+from producer_sdk.contract.connection import client_options, redis_from_url
 from producer_sdk.errors import (
     ModelNotFound,
     RequestFailed,
@@ -92,7 +92,7 @@ SOCKET_TIMEOUT_S = 30.0  # a read longer than this is a dead connection (XREAD B
 
 
 def redis_kwargs(connect_timeout: float | None, extra: dict[str, Any], *, asyncio: bool) -> dict[str, Any]:
-    """Keyword arguments for Redis.from_url: the contract's explicit connection settings (no silent
+    """Keyword arguments for `redis_from_url`: the contract's explicit connection settings (no silent
     retries, timeouts, keepalive), then the caller's (ssl_ca_certs, username, socket_timeout, ...)."""
     kwargs = client_options(asyncio=asyncio, socket_timeout=SOCKET_TIMEOUT_S, connect_timeout=connect_timeout)
     kwargs.update(extra)
@@ -220,7 +220,7 @@ class ClientBase:
         tenant = validate_tenant(tenant)
         if isinstance(redis_url, str):
             options = redis_kwargs(connect_timeout, redis_options, asyncio=self._asyncio)
-            self._redis = self._redis_class.from_url(redis_url, **options)
+            self._redis = redis_from_url(redis_url, asyncio=self._asyncio, **options)
             self._owns_redis = True
         else:
             if redis_options:

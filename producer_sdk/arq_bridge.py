@@ -29,6 +29,7 @@ from arq.worker import func
 from producer_sdk import trace_context
 from producer_sdk._core import new_request_id
 from producer_sdk.client import AsyncClient
+from producer_sdk.contract.connection import is_sentinel_url, parse_sentinel_url
 
 DEFAULT_QUEUE = "pagedq:arq"
 FUNCTION_NAME = "pagedq_generate"
@@ -98,12 +99,30 @@ def arq_worker_settings(
     return {
         "functions": [func(pagedq_generate, name=FUNCTION_NAME)],
         "queue_name": queue_name,
-        "redis_settings": RedisSettings.from_dsn(redis_url),
+        "redis_settings": redis_settings(redis_url),
         "on_startup": startup,
         "on_shutdown": shutdown,
         "max_jobs": max_jobs,
         "job_timeout": job_timeout,
     }
+
+
+def redis_settings(redis_url: str) -> RedisSettings:
+    """arq's RedisSettings for a pagedq Redis URL, a Sentinel URL included (arq then asks the
+    Sentinels for the primary itself; it has no setting for a Sentinel password)."""
+    if not is_sentinel_url(redis_url):
+        return RedisSettings.from_dsn(redis_url)
+    target = parse_sentinel_url(redis_url)
+    if target.sentinel_username or target.sentinel_password:
+        raise ValueError("arq cannot authenticate to Sentinels: drop sentinel_username/sentinel_password for arq")
+    return RedisSettings(
+        host=target.sentinels,
+        sentinel=True,
+        sentinel_master=target.service_name,
+        database=target.db or 0,
+        username=target.username,
+        password=target.password,
+    )
 
 
 __all__ = ["DEFAULT_QUEUE", "arq_worker_settings", "enqueue_generation", "pagedq_generate"]

@@ -118,9 +118,11 @@ class AsyncClient(ClientBase):
     **redis_options)``
 
     `redis_url` is a URL (``redis://[user:password@]host:port/db``, ``rediss://...`` for TLS,
-    ``unix://...``) or an existing ``redis.asyncio.Redis`` (not closed by `close()`; it must keep
-    ``decode_responses=False``). `redis_options` go to ``Redis.from_url`` (``ssl_ca_certs=``,
-    ``ssl_certfile=``, ``ssl_keyfile=``, ``username=``, ``password=``, ...).
+    ``unix://...``, or ``redis+sentinel://[user:password@]host:26379,host2:26379/service_name/db``
+    for the primary a Sentinel group names) or an existing ``redis.asyncio.Redis`` (not closed by
+    `close()`; it must keep ``decode_responses=False``). `redis_options` go to ``Redis.from_url``
+    (through Sentinel: to the primary's connections): ``ssl_ca_certs=``, ``ssl_certfile=``,
+    ``ssl_keyfile=``, ``username=``, ``password=``, ...
 
     `tenant`: the tenant of every request that names none (default "default"): quotas set with
     `pagedq tenant set` apply per tenant (see docs/tenants.md).

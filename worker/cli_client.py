@@ -7,11 +7,11 @@ import json
 import sys
 import time
 
-from worker.local import default_redis_url
+from worker.local import REDIS_URL_HELP, default_redis_url
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default=None, help="default: PAGEDQ_REDIS_URL, a running `pagedq up`, localhost")
+    parser.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
     parser.add_argument("--model-name", default="default", help="key namespace (the worker's --model-name)")
 
 

@@ -7,7 +7,7 @@ import sys
 
 import msgspec
 
-from worker.local import default_redis_url
+from worker.local import REDIS_URL_HELP, default_redis_url
 
 
 def add_tenant_args(tenant: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_tenant_args(tenant: argparse.ArgumentParser) -> None:
 
     def action(name: str, help: str) -> argparse.ArgumentParser:
         p = actions.add_parser(name, help=help)
-        p.add_argument("--redis-url", default=None, help="default: PAGEDQ_REDIS_URL, a running `pagedq up`, localhost")
+        p.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
         p.set_defaults(func=cmd_tenant)
         return p
 
@@ -57,9 +57,9 @@ def cmd_tenant(args: argparse.Namespace) -> int:
     import redis
 
     from producer_sdk import PagedqError, tenants
-    from producer_sdk.contract.connection import client_options
+    from producer_sdk.contract.connection import connect
 
-    r = redis.Redis.from_url(args.redis_url or default_redis_url(), **client_options(asyncio=False, socket_timeout=30))
+    r = connect(args.redis_url or default_redis_url(), asyncio=False, socket_timeout=30)
     try:
         if args.tenant_command == "set":
             q = tenants.set_quota(

@@ -44,6 +44,11 @@ def discovered_redis_url() -> str | None:
     return state.get("redis_url")
 
 
+REDIS_URL_HELP = (
+    "redis://, rediss:// or redis+sentinel:// (default: PAGEDQ_REDIS_URL, a running `pagedq up`, localhost)"
+)
+
+
 def default_redis_url() -> str:
     return os.environ.get("PAGEDQ_REDIS_URL") or discovered_redis_url() or "redis://127.0.0.1:6379/0"
 
@@ -160,7 +165,9 @@ def run_up(args: argparse.Namespace) -> int:
         state.parent.mkdir(parents=True, exist_ok=True)
         info = {"pid": os.getpid(), "redis_url": redis_url, "model": args.model_name, "gateway_url": gateway_url}
         state.write_text(json.dumps(info))
-        say(f"serving model name {args.model_name!r}; point producers at {redis_url}")
+        from producer_sdk.contract.connection import redact_url
+
+        say(f"serving model name {args.model_name!r}; point producers at {redact_url(redis_url)}")
         if gateway_url:
             say(f"OpenAI-compatible gateway on {gateway_url} (model {args.model_name!r})")
         say('try:  pagedq submit "Hello!" --chat      (Ctrl-C here stops everything)')

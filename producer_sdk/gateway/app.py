@@ -18,7 +18,6 @@ import math
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
 import redis.exceptions as rex
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -28,7 +27,7 @@ from starlette.routing import Route
 from producer_sdk.client import AsyncClient
 from producer_sdk.constants import REQUEST_ID_PATTERN
 from producer_sdk.contract import keys
-from producer_sdk.contract.connection import client_options
+from producer_sdk.contract.connection import connect
 from producer_sdk.errors import DeadlineExceeded, PagedqError
 from producer_sdk.gateway import errors, mapping, records
 from producer_sdk.gateway.auth import ANONYMOUS, Caller, KeyRing
@@ -70,9 +69,7 @@ def error_response(e: errors.ApiError) -> Response:
 class Gateway:
     def __init__(self, config: GatewayConfig, redis: Any = None) -> None:
         self.config = config
-        self.redis = redis or aioredis.Redis.from_url(
-            config.redis_url, **client_options(asyncio=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
-        )
+        self.redis = redis or connect(config.redis_url, asyncio=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
         self.keys = KeyRing.load(config.api_keys) if config.api_keys else None
         self.registry = Registry(self.redis, refresh_s=config.registry_refresh_s)
         self.metrics = GatewayMetrics()

@@ -32,7 +32,11 @@ class GatewayConfig:
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("gateway")
-        g.add_argument("--redis-url", default=None, help="Redis of the queue (env PAGEDQ_REDIS_URL)")
+        g.add_argument(
+            "--redis-url",
+            default=None,
+            help="Redis of the queue (env PAGEDQ_REDIS_URL): redis://, rediss://, redis+sentinel://",
+        )
         g.add_argument("--host", default=_env("gateway_host") or "127.0.0.1", help="address to listen on")
         g.add_argument("--port", type=int, default=int(_env("gateway_port") or 8000), help="port to listen on")
         g.add_argument(

@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 
+from producer_sdk.contract.connection import redact_url
 from producer_sdk.gateway.config import GatewayConfig
 
 GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long to end before their connections are closed
@@ -68,7 +69,7 @@ def run(config: GatewayConfig) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     keys = f"; API keys from {config.api_keys}" if config.api_keys else ""
-    say(f"listening on http://{shown}:{port}/v1 (OpenAI-compatible); queue at {_redacted(config.redis_url)}{keys}")
+    say(f"listening on http://{shown}:{port}/v1 (OpenAI-compatible); queue at {redact_url(config.redis_url)}{keys}")
     uv = uvicorn.Config(
         app,
         log_level=config.log_level if config.log_level != "info" else "warning",
@@ -86,15 +87,6 @@ def run(config: GatewayConfig) -> int:
         sock.close()
     say("stopped")
     return 0
-
-
-def _redacted(url: str) -> str:
-    """The Redis URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, hostpart = rest.rpartition("@")
-    if not at or ":" not in creds:
-        return url
-    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{hostpart}"
 
 
 def build_parser() -> argparse.ArgumentParser:

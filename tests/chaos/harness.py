@@ -21,10 +21,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import redis
-
 from producer_sdk import AsyncClient
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 from producer_sdk.contract.keys import EVENT_FIELD
 from producer_sdk.protocol import Error, Finished, Started, Tokens, decode_event
 from tests.service.worker_proc import WorkerProc
@@ -52,7 +51,7 @@ class Outcome:
 
 
 def raw_events(url: str, request_id: str) -> list:
-    r = redis.Redis.from_url(url)
+    r = connect(url, asyncio=False, socket_timeout=10)
     try:
         return [decode_event(f[EVENT_FIELD.encode()]) for _, f in r.xrange(keys.response_stream(request_id))]
     finally:

@@ -12,9 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import redis
-
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 from producer_sdk.contract.keys import EVENT_FIELD
 from producer_sdk.protocol import decode_event
 from worker.service.redis_proc import free_port
@@ -64,7 +63,7 @@ class WorkerProc:
     def start(self, timeout: float = 90.0) -> WorkerProc:
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
-        r = redis.Redis.from_url(self.redis_url)
+        r = connect(self.redis_url, asyncio=False, socket_timeout=10)
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
@@ -134,7 +133,7 @@ class WorkerProc:
 
 
 def response_events(redis_url: str, request_id: str) -> list:
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url, asyncio=False, socket_timeout=10)
     try:
         return [decode_event(f[EVENT_FIELD.encode()]) for _, f in r.xrange(keys.response_stream(request_id))]
     finally:

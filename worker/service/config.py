@@ -14,7 +14,8 @@ from worker.options import add_cli_args, from_cli_args, option
 class ServiceConfig:
     redis_url: str = option(
         "redis://127.0.0.1:6379/0",
-        "Redis to serve (env PAGEDQ_REDIS_URL); redis://user:pass@host, rediss:// for TLS",
+        "Redis to serve (env PAGEDQ_REDIS_URL); redis://user:pass@host, rediss:// for TLS, "
+        "redis+sentinel://host1:26379,host2:26379/service/db through Sentinel",
     )
     model_name: str = option("default", "key namespace pagedq:{name}:* (the SDK's model=)")
     consumer: str | None = option(None, "consumer name (default host-pid)")

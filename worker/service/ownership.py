@@ -57,6 +57,7 @@ class Ownership:
             )
             lost = scripts.read_claim_own(await self._claim(keys=ks, args=args))
             for rec in group:
-                if rec.entry_id in lost and rec.live:
+                # A request retired meanwhile (its final event acked the entry) is not lost.
+                if rec.entry_id in lost and rec.live and self.inflight.get(rec.request_id) is rec:
                     self.log.warning("entry owned by another worker now", request_id=rec.request_id)
                     self.on_lost(rec)

@@ -24,7 +24,7 @@ import time
 import redis.asyncio as aioredis
 
 from producer_sdk.contract import keys
-from producer_sdk.contract.connection import client_options
+from producer_sdk.contract.connection import connect, redact_url
 from worker.engine.engine import LLMEngine
 from worker.service.admission import Admission
 from worker.service.cancels import Cancels
@@ -63,9 +63,9 @@ class WorkerService:
         self.headroom = cfg.intake_headroom if cfg.intake_headroom is not None else max(1, lim.max_num_seqs // 8)
 
         intake_block_ms = 1000
-        self.redis = aioredis.Redis.from_url(cfg.redis_url, **client_options(asyncio=True, socket_timeout=10.0))
-        self.blocking_redis = aioredis.Redis.from_url(
-            cfg.redis_url, **client_options(asyncio=True, socket_timeout=intake_block_ms / 1000 + 10.0)
+        self.redis: aioredis.Redis = connect(cfg.redis_url, asyncio=True, socket_timeout=10.0)
+        self.blocking_redis: aioredis.Redis = connect(
+            cfg.redis_url, asyncio=True, socket_timeout=intake_block_ms / 1000 + 10.0
         )
         common = {"model": self.model, "consumer": self.consumer}
         self.tracer = make_tracer(cfg, **common)  # None unless tracing is configured
@@ -270,7 +270,7 @@ class WorkerService:
         lim = self.engine.limits
         log.info(
             "worker started",
-            redis=_redact(cfg.redis_url),
+            redis=redact_url(cfg.redis_url),
             metrics_port=self.metrics_port,
             max_num_seqs=lim.max_num_seqs,
             kv_blocks=lim.num_kv_blocks,
@@ -359,13 +359,3 @@ class WorkerService:
             await self.ownership.hand_over(left)
         except (*REDIS_DOWN, asyncio.TimeoutError) as e:
             self.log.warning("handover incomplete; entries will be reclaimed after the idle timeout", error=str(e))
-
-
-def _redact(url: str) -> str:
-    """The URL without its password, for logs."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}"
