@@ -81,6 +81,8 @@ class ServiceConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 second")
         if self.wait_replicas < 0:
             raise ValueError("--wait-replicas must be >= 0")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be at least 1")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
