@@ -23,10 +23,11 @@ def _offline(llama_dir, prompts, max_tokens):
 
 async def _stream_all(redis_url, prompts, max_tokens, prefix, during=None):
     async with AsyncClient(redis_url) as client:
-        handles = [
-            await client.submit(p, max_tokens=m, temperature=0, ignore_eos=True, request_id=f"{prefix}-{i:03d}")
-            for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
-        ]
+        handles = []
+        for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+            prompt = {"prompt_token_ids": p} if isinstance(p, list) else {"prompt": p}
+            kw = {"max_tokens": m, "temperature": 0, "ignore_eos": True, "request_id": f"{prefix}-{i:04d}"}
+            handles.append(await client.submit(**prompt, **kw))
 
         async def read(h):
             return [t for c in [c async for c in h.stream(timeout=120)] for t in c.token_ids]
@@ -42,12 +43,12 @@ def test_every_token_arrives_in_events_of_at_least_the_interval(llama_dir, redis
     max_tokens = [1, 2, 5, 9, 13, 30, 31, 33] * 2  # not all multiples of the interval
     w = WorkerProc(llama_dir, redis_url, "--stream-interval", str(INTERVAL), metrics=False).start()
     try:
-        streamed = asyncio.run(_stream_all(redis_url, prompts, max_tokens, "si"))
+        streamed = asyncio.run(_stream_all(redis_url, prompts, max_tokens, "si-stream"))
     finally:
         w.stop()
     for i, (got, ref) in enumerate(zip(streamed, _offline(llama_dir, prompts, max_tokens), strict=True)):
         assert got == ref
-        events = response_events(redis_url, f"si-{i:03d}")
+        events = response_events(redis_url, f"si-stream-{i:04d}")
         check_stream(events)
         assert tokens_of(events) == ref
         sizes = [len(e.token_ids) for e in events if isinstance(e, Tokens)]
@@ -65,7 +66,7 @@ def test_sigkill_mid_generation_then_resume_is_exact(llama_dir, redis_url):
 
     async def crash_and_resume():
         def some_progress():
-            got = [len(tokens_of(response_events(redis_url, f"sk-{i:03d}"))) for i in range(12)]
+            got = [len(tokens_of(response_events(redis_url, f"sk-killed-{i:04d}"))) for i in range(12)]
             return sum(0 < g < 80 for g in got) >= 6
 
         await asyncio.to_thread(wait_until, some_progress, 60, "tokens in flight")
@@ -75,7 +76,7 @@ def test_sigkill_mid_generation_then_resume_is_exact(llama_dir, redis_url):
         crash_and_resume.second = second
 
     try:
-        streamed = asyncio.run(_stream_all(redis_url, prompts, max_tokens, "sk", crash_and_resume))
+        streamed = asyncio.run(_stream_all(redis_url, prompts, max_tokens, "sk-killed", crash_and_resume))
     finally:
         first.stop()
         if hasattr(crash_and_resume, "second"):
@@ -83,14 +84,13 @@ def test_sigkill_mid_generation_then_resume_is_exact(llama_dir, redis_url):
     resumed = 0
     for i, (got, ref) in enumerate(zip(streamed, reference, strict=True)):
         assert got == ref, f"request {i} differs from the uninterrupted run"
-        events = response_events(redis_url, f"sk-{i:03d}")
+        events = response_events(redis_url, f"sk-killed-{i:04d}")
         check_stream(events)
         resumed += sum(isinstance(e, Started) for e in events) > 1
     assert resumed >= 1
 
 
-@pytest.mark.parametrize("poison_at", [2])
-def test_failed_step_retries_from_everything_held_back(llama_dir, redis_url, poison_at):
+def test_failed_step_retries_from_everything_held_back(llama_dir, redis_url):
     """A step fails (a poison request in the batch): its neighbours are retried alone from their
     delivered tokens, which must include the ones the interval was holding back."""
     prompts = [[5 + (11 * i + j) % 300 for j in range(4 + i)] for i in range(6)]
@@ -109,18 +109,20 @@ def test_failed_step_retries_from_everything_held_back(llama_dir, redis_url, poi
 
     async def poison_midway():
         await asyncio.to_thread(
-            wait_until, lambda: len(tokens_of(response_events(redis_url, "pz-000"))) > 10, 60, "tokens"
+            wait_until, lambda: len(tokens_of(response_events(redis_url, "pz-poisoned-0000"))) > 10, 60, "tokens"
         )
         async with AsyncClient(redis_url) as client:
-            h = await client.submit([3, 4, poison, 5], max_tokens=4, temperature=0, request_id="pz-poison")
+            h = await client.submit(
+                prompt_token_ids=[3, 4, poison, 5], max_tokens=4, temperature=0, request_id="pz-poison-req"
+            )
             with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a dead-lettered request
                 await h.result(timeout=60)
 
     try:
-        streamed = asyncio.run(_stream_all(redis_url, prompts, max_tokens, "pz", poison_midway))
+        streamed = asyncio.run(_stream_all(redis_url, prompts, max_tokens, "pz-poisoned", poison_midway))
     finally:
         w.stop()
     for i, (got, ref) in enumerate(zip(streamed, reference, strict=True)):
         assert got == ref, f"request {i} differs after the retry"
-        check_stream(response_events(redis_url, f"pz-{i:03d}"))
-    assert isinstance(response_events(redis_url, "pz-poison")[-1], Error)
+        check_stream(response_events(redis_url, f"pz-poisoned-{i:04d}"))
+    assert isinstance(response_events(redis_url, "pz-poison-req")[-1], Error)
