@@ -77,7 +77,7 @@ def profile(args: argparse.Namespace) -> dict:
     }
 
 
-def _offline_child(model: str, wl_path: str, kv: int, dtype: str, threads: int) -> None:
+def _offline_child(model: str, wl_path: str, kv: int, dtype: str, threads: int, vocab: int) -> None:
     import torch
 
     from ops.bench.workloads import Workload, warmup_requests
@@ -91,7 +91,7 @@ def _offline_child(model: str, wl_path: str, kv: int, dtype: str, threads: int) 
         ps = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
         return llm.generate([list(r.prompt) for r in reqs], ps, use_tqdm=False)
 
-    gen(warmup_requests(1000))
+    gen(warmup_requests(vocab))
     t = time.perf_counter()
     outs = gen(wl.requests)
     elapsed = time.perf_counter() - t
@@ -163,7 +163,7 @@ def ab(args: argparse.Namespace) -> list[dict]:
         for tag in args.order:
             if tag == "off":
                 cmd = [sys.executable, "-m", "ops.bench.serve_overhead", "_offline", str(args.model_dir), str(wl_path)]
-                cmd += [str(kv), args.dtype, str(args.threads)]
+                cmd += [str(kv), args.dtype, str(args.threads), str(vocab)]
                 done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(args.threads), check=True)
                 r = json.loads(done.stdout.strip().splitlines()[-1])
             else:
@@ -177,7 +177,7 @@ def ab(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_offline"]:
-        _offline_child(argv[1], argv[2], int(argv[3]), argv[4], int(argv[5]))
+        _offline_child(argv[1], argv[2], int(argv[3]), argv[4], int(argv[5]), int(argv[6]))
         return 0
     p = argparse.ArgumentParser(prog="python -m ops.bench.serve_overhead", description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["profile", "ab"])
