@@ -34,6 +34,11 @@ class ServiceConfig:
     result_ttl: int = option(600, "seconds a finished request's response stream is kept, from its final event")
     live_ttl: int = option(3600, "seconds an unfinished request's response stream is kept after its last write")
     dead_letter_ttl: int = option(7 * 86400, "seconds dead letters are kept (the stream is trimmed by age)")
+    stream_interval: int = option(
+        1,
+        "tokens per streamed event of a request (as vLLM's flag): its first and final events go out at once, "
+        "the tokens between are written every this many tokens, fewer events and Redis calls per step",
+    )
     wait_replicas: int = option(
         0,
         "after writing final events, WAIT until this many replicas hold them (bounded by --wait-timeout-ms): "
@@ -77,6 +82,8 @@ class ServiceConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 second")
         if self.wait_replicas < 0:
             raise ValueError("--wait-replicas must be >= 0")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be at least 1")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:

@@ -87,6 +87,7 @@ class Publisher:
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
         tracer: RequestTracer | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.redis = redis
         self.inflight = inflight
@@ -96,6 +97,9 @@ class Publisher:
         self.metrics = metrics
         self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self.tracer = tracer
+        self.stream_interval = max(1, stream_interval)
+        self._held: dict[str, _Pending] = {}  # merged outputs not yet due (--stream-interval)
+        self._flush_held = False
         self._script = redis.register_script(scripts.PUBLISH)
         self._queue: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._idle = asyncio.Event()
@@ -108,7 +112,10 @@ class Publisher:
         self._queue.put_nowait(outputs)
 
     async def wait_idle(self) -> None:
-        """Until everything queued so far is written."""
+        """Until everything queued so far is written, tokens held back by --stream-interval included."""
+        if self._held:
+            self._flush_held = True
+            self.put([])
         await self._idle.wait()
 
     async def run(self) -> None:
@@ -116,14 +123,16 @@ class Publisher:
             batch = [await self._queue.get()]
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            await self._flush(self._merge(batch))
+            self._merge(batch)
+            await self._flush(self._due())
             if self._queue.empty():
                 self._idle.set()
 
     # --- building the calls --------------------------------------------------------------------
 
-    def _merge(self, batch: list[list[RequestOutput]]) -> list[_Pending]:
-        merged: dict[str, _Pending] = {}
+    def _merge(self, batch: list[list[RequestOutput]]) -> None:
+        """Merge the steps' outputs per request into what is held since the last write."""
+        merged = self._held
         for outputs in batch:
             for out in outputs:
                 rec = self.inflight.get(out.request_id)
@@ -144,7 +153,24 @@ class Publisher:
                         p.tool_calls.setdefault(c.index, []).extend(c.delta_tool_calls)
                 if out.finished:
                     p.final = out
-        return list(merged.values())
+
+    def _due(self) -> list[_Pending]:
+        """What goes out now: a request's first event, its final one, any with --stream-interval new tokens
+        in a sample, or everything when `wait_idle` asks. The rest stays held (merged with later steps)."""
+        force, self._flush_held = self._flush_held, False
+        due = []
+        for rid, p in list(self._held.items()):
+            if p.rec.lost or self.inflight.get(rid) is not p.rec:  # lost or ended meanwhile: nothing to write
+                del self._held[rid]
+            elif (
+                force
+                or self.stream_interval == 1
+                or p.final is not None
+                or not p.rec.started
+                or max(map(len, p.tokens.values()), default=0) >= self.stream_interval
+            ):
+                due.append(self._held.pop(rid))
+        return due
 
     def _events(self, p: _Pending) -> tuple[list[bytes], bool]:
         """Encoded events for one request, and whether they end it. Sequence numbers are only

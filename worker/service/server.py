@@ -115,6 +115,7 @@ class WorkerService:
             result_ttl_ms=cfg.result_ttl * 1000,
             wait_replicas=cfg.wait_replicas,
             wait_timeout_ms=cfg.wait_timeout_ms,
+            stream_interval=cfg.stream_interval,
             metrics=self.metrics,
             tracer=self.tracer,
             **common,
