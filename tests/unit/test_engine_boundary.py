@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 INTERNALS = {"scheduler", "kv", "runner", "scheduler_config", "stats"}
 INTERNAL_MODULES = {"worker.engine.scheduler", "worker.engine.kv_cache", "worker.engine.model_runner"}
 # Diagnostics of the engine's own parts, not users of the engine: the GPU check inspects the runner's
-# CUDA graphs, and the KV-waste bench simulates the block allocator on its own.
-EXEMPT = {"ops/bench/gpu_check_speed.py", "ops/bench/kv_waste.py"}
+# CUDA graphs, the KV-waste bench simulates the block allocator on its own, and the serving-overhead
+# profile times the runner's forward inside each engine step.
+EXEMPT = {"ops/bench/gpu_check_speed.py", "ops/bench/kv_waste.py", "ops/bench/serve_overhead.py"}
 
 
 def _sources():
