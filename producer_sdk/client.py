@@ -7,7 +7,7 @@ calls.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -83,6 +83,14 @@ class Handle(HandleState):
         return RequestTimeout(self.request_id, e.timeout, cancelled=True)
 
     async def _events(self, f: Follower) -> AsyncIterator[Chunk]:
+        async for batch in self._batches(f):
+            for chunk in batch:
+                yield chunk
+
+    async def _batches(self, f: Follower) -> AsyncIterator[Iterator[Chunk]]:
+        """The chunks of each XREAD reply (possibly none), until `f` is done; liveness checks,
+        resubmits and transient errors handled on the way. Each batch is lazy: consume it before the
+        next one, and a reader sees the chunks before a divergence that the reply then reveals."""
         r = self._client._redis
         while not f.done:
             try:
@@ -98,8 +106,7 @@ class Handle(HandleState):
             except rex.RedisError as e:
                 await asyncio.sleep(f.on_error(e))
                 continue
-            for chunk in f.on_reply(reply):
-                yield chunk
+            yield f.on_reply(reply)
 
     async def _resubmit(self) -> EnqueueResult:
         assert self.prepared is not None

@@ -13,9 +13,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import redis.exceptions as rex
-
-from producer_sdk import _core
 from producer_sdk._stream import Follower
 from producer_sdk.client import Handle
 from producer_sdk.errors import PagedqError
@@ -38,23 +35,9 @@ class Reading:
         self.final_seq = -1
 
     async def batches(self) -> AsyncIterator[list[Chunk]]:
-        f, h = self.follower, self.handle
-        r = h._client.redis
-        while not f.done:
-            try:
-                if f.needs_check:
-                    pipe = r.pipeline(transaction=False)
-                    _core.queue_liveness(pipe, f)
-                    marker, stream = await pipe.execute()
-                    if f.on_liveness(marker, stream) == Follower.RESUBMIT:
-                        f.on_resubmitted(await h._resubmit())
-                    continue
-                streams, count, block = f.xread_args()
-                reply = await r.xread(streams, count=count, block=block)
-            except rex.RedisError as e:
-                await asyncio.sleep(f.on_error(e))
-                continue
-            batch = list(f.on_reply(reply))
+        f = self.follower
+        async for chunks in self.handle._batches(f):
+            batch = list(chunks)
             if batch:
                 yield batch
         self.completion = f.completion()
