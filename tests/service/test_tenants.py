@@ -191,7 +191,12 @@ def test_tenant_command(redis_url, r, capsys):
     capsys.readouterr()
     assert pagedq(["tenant", "show", "--json", *url]) == 0
     rows = {row["tenant"]: row for row in json.loads(capsys.readouterr().out)}
-    assert rows["team-a"]["quota"] == {"tenant": "team-a", "max_queued": 4, "requests_per_minute": 10}
+    assert rows["team-a"]["quota"] == {
+        "tenant": "team-a",
+        "max_queued": 4,
+        "requests_per_minute": 10,
+        "tokens_per_minute": 0,
+    }
     assert rows["team-a"]["queued"] == {MODEL: 1} and rows["team-a"]["requests_this_minute"] == 0
     assert rows["team-b"]["queued"] == {MODEL: 1} and rows["team-b"]["requests_this_minute"] is None
     assert pagedq(["tenant", "show", "team-a", *url]) == 0
