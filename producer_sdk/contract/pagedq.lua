@@ -74,12 +74,15 @@ local function add_in_window(key, n, now, length)
   redis.call('PEXPIRE', key, (window + 1) * length - now + length)
 end
 
--- Now in unix ms: ARGV's when given (> 0, tests), else the Redis server's clock.
-local function now_ms(given)
+-- Now in unix ms: ARGV's when given (> 0, tests), else the Redis server's clock. `soft`: 0 instead
+-- of an error when TIME is refused (a worker's ACL without +time must not block a final publish).
+local function now_ms(given, soft)
   local now = tonumber(given) or 0
   if now > 0 then return now end
   if redis.replicate_commands then redis.replicate_commands() end  -- Redis < 7: TIME before writes
-  local t = redis.call('TIME')
+  local t
+  if soft then t = redis.pcall('TIME') else t = redis.call('TIME') end
+  if type(t) ~= 'table' or t.err then return 0 end
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
@@ -166,7 +169,7 @@ local function publish(KEYS, ARGV)
   if first > last + 1 then return {'gap', last} end
   local tokens, now = final and (tonumber(ARGV[10]) or 0) or 0, 0
   if tokens > 0 and (tonumber(redis.call('HGET', KEYS[6], 'tokens_per_minute') or '') or 0) > 0 then
-    now = now_ms(ARGV[11])  -- before any write (TIME)
+    now = now_ms(ARGV[11], true)  -- before any write (TIME); 0 if refused: not counted
   end
   for j = 0, n - 1 do
     local seq = first + j
