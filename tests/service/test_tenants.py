@@ -1,5 +1,6 @@
 """Tenants and their quotas against a real redis-server: the enqueue step itself (time passed in, so
-windows need no sleeping), the ack that gives a queued slot back, the recount, the SDK's RateLimited,
+windows need no sleeping), the ack that gives a queued slot back, the final publish that counts a
+request's tokens once, the recount, the SDK's RateLimited (with real workers for tokens_per_minute),
 the `pagedq tenant` command, and the worker's bounded tenant labels."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import redis
 
 from producer_sdk import AsyncClient, Client, RateLimited, ValidationError, tenants
 from producer_sdk.contract import keys, scripts
-from producer_sdk.protocol import Finished, encode_event
-from tests.service.worker_proc import WorkerProc
+from producer_sdk.protocol import Finished, Started, encode_event
+from tests.service.worker_proc import WorkerProc, response_events, wait_until
 from worker.cli import main as pagedq
 from worker.service.inflight import Entry
 from worker.service.metrics import OTHER_TENANT, TenantLabels, WorkerMetrics
@@ -284,6 +285,32 @@ def test_a_worker_counts_finished_tokens_and_the_next_submit_is_refused(llama_di
             assert not r.exists(keys.tenant_tokens("team-b"))  # no tokens_per_minute quota: not counted
     finally:
         w.stop()
+
+
+def test_a_request_resumed_after_a_crash_counts_its_tokens_once(llama_dir, redis_url, r):
+    """The doomed worker dies right before its final publish, which is where the tokens are counted;
+    the rescuer resumes the request, and its final publish counts the whole usage, once."""
+    tenants.set_quota(r, "team-a", tokens_per_minute=1_000_000)
+    env = {"PAGEDQ_FAULT_EXIT_BEFORE_FINAL_PUBLISH": "1", "PAGEDQ_FAULT_STEP_DELAY_S": "0.02"}
+    doomed = WorkerProc(llama_dir, redis_url, name="doomed", metrics=False, env=env).start()
+    rescuer = WorkerProc(llama_dir, redis_url, "--claim-idle-ms", "1000", name="rescuer", metrics=False)
+    try:
+        with Client(redis_url, MODEL, tenant="team-a") as a:
+            before = time_left_in_window(r, 0)
+            handle = a.submit("resume me", max_tokens=8, temperature=0, ignore_eos=True)
+            wait_until(lambda: doomed.proc.poll() is not None, 60, "the doomed worker's exit")
+            assert not r.exists(keys.tenant_tokens("team-a"))  # nothing counted without the final publish
+            rescuer.start()
+            done = handle.result(timeout=60)
+            after = time_left_in_window(r, 0)
+        starts = [e for e in response_events(redis_url, handle.request_id) if isinstance(e, Started)]
+        assert [s.worker for s in starts] == ["doomed", "rescuer"]  # it was resumed
+        assert done.usage.completion_tokens == 8  # all of them, the doomed worker's included
+        window, used = tokens_window(r, "team-a")
+        assert before <= window <= after and used == done.usage.prompt_tokens + done.usage.completion_tokens
+    finally:
+        doomed.stop()
+        rescuer.stop()
 
 
 def test_sync_client_requests_per_minute(redis_url, r):
