@@ -118,7 +118,8 @@ class QueueFull(PagedqError):
 
 class RateLimited(PagedqError):
     """The request's tenant is over its quota: `quota` "max_queued" (outstanding requests of this
-    model, `used` of `limit`) or "requests_per_minute" (requests accepted in the current minute).
+    model, `used` of `limit`), "requests_per_minute" (requests accepted in the current minute) or
+    "tokens_per_minute" (tokens of the tenant's requests finished in the current minute).
     Nothing was enqueued; `retry_after` is when to try again, in seconds (for max_queued a hint:
     a slot frees when one of the tenant's requests finishes).
 

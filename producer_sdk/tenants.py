@@ -3,7 +3,9 @@
 A quota lives in Redis (`keys.tenant_quota`) and the enqueue step enforces it atomically with the
 submit: at most `max_queued` outstanding requests (queued or running) of each model, and at most
 `requests_per_minute` requests accepted per minute over all models (fixed windows of the Redis
-clock). 0 or absent: unlimited. A tenant with no quota is unlimited.
+clock), and no new request once `tokens_per_minute` tokens (prompt + completion of the tenant's
+requests finished in the current window, counted by the worker's final publish) are used. 0 or
+absent: unlimited. A tenant with no quota is unlimited.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class TenantQuota(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str
     max_queued: int = 0  # outstanding requests per model; 0: unlimited
     requests_per_minute: int = 0  # over all models; 0: unlimited
+    tokens_per_minute: int = 0  # prompt + completion tokens of finished requests, all models; 0: unlimited
 
 
 class TenantUsage(msgspec.Struct, kw_only=True):
@@ -28,6 +31,7 @@ class TenantUsage(msgspec.Struct, kw_only=True):
     quota: TenantQuota
     queued: dict[str, int]  # model -> outstanding requests (queued or running)
     requests_this_minute: int | None  # None: not counted (no requests_per_minute quota)
+    tokens_this_minute: int | None = None  # None: not counted (no tokens_per_minute quota)
 
 
 def _int(raw: Any) -> int:
@@ -42,14 +46,22 @@ def _text(x: Any) -> str:
 
 
 def set_quota(
-    r: Any, tenant: str, *, max_queued: int | None = None, requests_per_minute: int | None = None
+    r: Any,
+    tenant: str,
+    *,
+    max_queued: int | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
 ) -> TenantQuota:
     """Set a tenant's quota (a field left None keeps its value; 0 means unlimited). Takes effect
     with the next submit."""
     tenant = validate_tenant(tenant)
-    fields = {
-        name: value for name, value in zip(scripts.QUOTA_FIELDS, (max_queued, requests_per_minute)) if value is not None
+    given = {
+        "max_queued": max_queued,
+        "requests_per_minute": requests_per_minute,
+        "tokens_per_minute": tokens_per_minute,
     }
+    fields = {name: value for name, value in given.items() if value is not None}
     for name, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0 (0: unlimited), not {value!r}")
@@ -65,7 +77,7 @@ def delete_quota(r: Any, tenant: str) -> bool:
     """Remove a tenant's quota (it becomes unlimited); False if it had none."""
     tenant = validate_tenant(tenant)
     pipe = r.pipeline(transaction=True)
-    pipe.delete(keys.tenant_quota(tenant), keys.tenant_rate(tenant))
+    pipe.delete(keys.tenant_quota(tenant), keys.tenant_rate(tenant), keys.tenant_tokens(tenant))
     pipe.srem(keys.tenants(), tenant)
     deleted, removed = pipe.execute()
     return bool(deleted or removed)
@@ -100,12 +112,19 @@ def usage(r: Any, models: Iterable[str] | None = None, tenants: Iterable[str] | 
     out = []
     for tenant in names:
         quota = get_quota(r, tenant)
-        used = None
-        if quota.requests_per_minute:
-            w, n = r.hmget(keys.tenant_rate(tenant), ["w", "n"])
-            used = _int(n) if w is not None and _int(w) == window else 0
-        out.append(TenantUsage(tenant=tenant, quota=quota, queued=counts.get(tenant, {}), requests_this_minute=used))
+        used = _in_window(r, keys.tenant_rate(tenant), window) if quota.requests_per_minute else None
+        tokens = _in_window(r, keys.tenant_tokens(tenant), window) if quota.tokens_per_minute else None
+        queued = counts.get(tenant, {})
+        out.append(
+            TenantUsage(tenant=tenant, quota=quota, queued=queued, requests_this_minute=used, tokens_this_minute=tokens)
+        )
     return out
+
+
+def _in_window(r: Any, key: str, window: int) -> int:
+    """The count of a fixed-window hash (fields w, n) in `window`: 0 when it holds an older one."""
+    w, n = r.hmget(key, ["w", "n"])
+    return _int(n) if w is not None and _int(w) == window else 0
 
 
 def recount(r: Any, model: str) -> dict[str, int]:

@@ -25,6 +25,13 @@ def add_tenant_args(tenant: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--requests-per-minute", type=int, default=None, help="requests accepted per minute, all models (0: unlimited)"
     )
+    s.add_argument(
+        "--tokens-per-minute",
+        type=int,
+        default=None,
+        help="prompt + completion tokens of finished requests per minute, all models; a submit is refused once "
+        "the minute's reach it (0: unlimited)",
+    )
     show = action("show", help="quotas and current use of each tenant")
     show.add_argument("name", nargs="*", help="only these tenants (default: those with a quota or requests)")
     show.add_argument("--model-name", action="append", default=None, help="count these models (default: all served)")
@@ -40,13 +47,15 @@ def _limit(n: int) -> str:
 
 
 def render(rows: list) -> str:
-    lines = [f"{'tenant':<32} {'max queued':>10} {'req/min':>8} {'this min':>8}  queued per model"]
+    head = f"{'tenant':<32} {'max queued':>10} {'req/min':>8} {'this min':>8}"
+    lines = [f"{head} {'tok/min':>10} {'this min':>10}  queued per model"]
     for u in rows:
         this_minute = "-" if u.requests_this_minute is None else str(u.requests_this_minute)
+        tokens = "-" if u.tokens_this_minute is None else str(u.tokens_this_minute)
         queued = ", ".join(f"{m} {n}" for m, n in sorted(u.queued.items())) or "0"
         lines.append(
             f"{u.tenant:<32} {_limit(u.quota.max_queued):>10} {_limit(u.quota.requests_per_minute):>8} "
-            f"{this_minute:>8}  {queued}"
+            f"{this_minute:>8} {_limit(u.quota.tokens_per_minute):>10} {tokens:>10}  {queued}"
         )
     if not rows:
         lines.append("(no tenant has a quota or outstanding requests)")
@@ -63,11 +72,15 @@ def cmd_tenant(args: argparse.Namespace) -> int:
     try:
         if args.tenant_command == "set":
             q = tenants.set_quota(
-                r, args.name, max_queued=args.max_queued, requests_per_minute=args.requests_per_minute
+                r,
+                args.name,
+                max_queued=args.max_queued,
+                requests_per_minute=args.requests_per_minute,
+                tokens_per_minute=args.tokens_per_minute,
             )
             print(
                 f"tenant {q.tenant}: max queued {_limit(q.max_queued)} per model, "
-                f"{_limit(q.requests_per_minute)} requests per minute"
+                f"{_limit(q.requests_per_minute)} requests per minute, {_limit(q.tokens_per_minute)} tokens per minute"
             )
         elif args.tenant_command == "show":
             rows = tenants.usage(r, args.model_name, args.name or None)

@@ -12,8 +12,9 @@ Request entry
     together hold `limit` entries (the SDK's limit, else the ``max_queue_len`` a worker put in
     ``keys.config(model)``, else `scripts.DEFAULT_MAX_QUEUE_LEN`), with ``limited`` when the tenant
     is over its quota (``keys.tenant_quota``: max_queued per model, counted in
-    ``keys.tenant_queued(model)``; requests_per_minute, counted in ``keys.tenant_rate``), else adds
-    the entry, sets the marker and counts it for its tenant.
+    ``keys.tenant_queued(model)``; requests_per_minute, counted in ``keys.tenant_rate``;
+    tokens_per_minute, counted in ``keys.tenant_tokens`` by the final `publish`), else adds the
+    entry, sets the marker and counts it for its tenant.
     Queue length = XLEN of the lanes: a worker XDELs an entry once its request finished, in the
     step that also takes it off its tenant's count (only when that XDEL removed it).
 

@@ -90,8 +90,8 @@ def tenants() -> str:
 
 
 def tenant_quota(tenant: str) -> str:
-    """Hash of a tenant's quota: max_queued (per model), requests_per_minute (all models); absent or
-    0: unlimited. The enqueue step reads it."""
+    """Hash of a tenant's quota: max_queued (per model), requests_per_minute and tokens_per_minute (all
+    models); absent or 0: unlimited. The enqueue step reads it (and the final publish, for tokens)."""
     return f"{PREFIX}:tenant:{tenant}:quota"
 
 
@@ -99,6 +99,13 @@ def tenant_rate(tenant: str) -> str:
     """Hash of a tenant's current rate window: w (the window's number: unix ms // window length) and
     n (requests enqueued in it); expires after the window."""
     return f"{PREFIX}:tenant:{tenant}:rate"
+
+
+def tenant_tokens(tenant: str) -> str:
+    """Hash of a tenant's current token window: w (the window's number, as in `tenant_rate`) and n
+    (prompt + completion tokens of the requests finished in it, added by the worker's final publish);
+    expires after the window."""
+    return f"{PREFIX}:tenant:{tenant}:tokens"
 
 
 def tenant_queued(model: str) -> str:

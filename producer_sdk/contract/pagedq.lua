@@ -45,10 +45,12 @@ end
 -- so a repeated call never counts it twice; a broken count never blocks the ack.
 -- ARGV from `at`: min id of the dead-letter stream (trims letters older than the retention), then
 -- field/value pairs (none: no dead letter).
+-- Returns the entry's tenant when this call deleted the entry (nil otherwise, or without `t`).
 local function retire(lane, dead, counts, group, entry, argv, at)
   redis.call('XACK', lane, group, entry)
   local tenant = entry_tenant(lane, entry)
-  if redis.call('XDEL', lane, entry) == 1 and tenant then
+  local deleted = redis.call('XDEL', lane, entry) == 1
+  if deleted and tenant then
     local left = redis.pcall('HINCRBY', counts, tenant, -1)
     if type(left) == 'number' and left <= 0 then redis.pcall('HDEL', counts, tenant) end
   end
@@ -57,26 +59,45 @@ local function retire(lane, dead, counts, group, entry, argv, at)
     for i = at + 1, #argv do fields[#fields + 1] = argv[i] end
     redis.call('XADD', dead, 'MINID', '~', argv[at], '*', unpack(fields))
   end
+  if deleted then return tenant end
+  return nil
 end
 
--- Now in unix ms: ARGV's when given (> 0, tests), else the Redis server's clock.
-local function now_ms(given)
+-- Add `n` to a fixed-window counter hash (fields w: window number, n: count) and expire it one
+-- window after the window ends.
+local function add_in_window(key, n, now, length)
+  local window = math.floor(now / length)
+  local got = redis.call('HMGET', key, 'w', 'n')
+  local used = 0
+  if tonumber(got[1] or '') == window then used = tonumber(got[2] or '') or 0 end
+  redis.call('HSET', key, 'w', window, 'n', used + n)
+  redis.call('PEXPIRE', key, (window + 1) * length - now + length)
+end
+
+-- Now in unix ms: ARGV's when given (> 0, tests), else the Redis server's clock. `soft`: 0 instead
+-- of an error when TIME is refused (a worker's ACL without +time must not block a final publish).
+local function now_ms(given, soft)
   local now = tonumber(given) or 0
   if now > 0 then return now end
   if redis.replicate_commands then redis.replicate_commands() end  -- Redis < 7: TIME before writes
-  local t = redis.call('TIME')
+  local t
+  if soft then t = redis.pcall('TIME') else t = redis.call('TIME') end
+  if type(t) ~= 'table' or t.err then return 0 end
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
 -- Submit. KEYS: target lane, submitted marker, config hash, tenant counts of the model, the tenant's
--- quota hash, the tenant's rate window hash, then every lane of the model.
+-- quota hash, the tenant's rate window hash, the tenant's token window hash, then every lane of the
+-- model.
 -- ARGV: request id, payload, queue limit (<= 0: the config hash's max_queue_len, else the default
 -- in ARGV[5]; <= 0 there too: unlimited), marker TTL ms, default limit, tenant, now ms (<= 0: Redis
 -- TIME), rate window ms, retry-after ms to answer when the tenant's max_queued is reached.
 -- The tenant's quota: at most max_queued outstanding entries of this model, and at most
--- requests_per_minute entries per window (fixed windows: now // window) over all models.
--- Only an accepted request counts. Reply: {'duplicate'} | {'full', queued, limit} |
--- {'limited', quota name, used, limit, retry-after ms} | {'ok', entry id}.
+-- requests_per_minute entries per window (fixed windows: now // window) over all models, and no
+-- new entry once the tokens of the tenant's requests finished in the current window (counted by
+-- `publish`) reach tokens_per_minute. Only an accepted request counts.
+-- Reply: {'duplicate'} | {'full', queued, limit} | {'limited', quota name, used, limit, retry-after ms}
+-- | {'ok', entry id}.
 local function enqueue(KEYS, ARGV)
   if redis.call('EXISTS', KEYS[2]) == 1 then return {'duplicate'} end
   local limit = tonumber(ARGV[3]) or 0
@@ -85,62 +106,78 @@ local function enqueue(KEYS, ARGV)
   end
   if limit > 0 then
     local queued = 0
-    for i = 7, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+    for i = 8, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
     if queued >= limit then return {'full', queued, limit} end
   end
   local tenant = ARGV[6]
-  local quota = redis.call('HMGET', KEYS[5], 'max_queued', 'requests_per_minute')
+  local quota = redis.call('HMGET', KEYS[5], 'max_queued', 'requests_per_minute', 'tokens_per_minute')
   local max_queued, per_window = tonumber(quota[1] or '') or 0, tonumber(quota[2] or '') or 0
+  local tokens_per_window = tonumber(quota[3] or '') or 0
   local mine = tonumber(redis.call('HGET', KEYS[4], tenant) or '') or 0
   if max_queued > 0 and mine >= max_queued then
     return {'limited', 'max_queued', mine, max_queued, tonumber(ARGV[9])}
   end
   local window, used, now, length = 0, 0, 0, tonumber(ARGV[8])
-  if per_window > 0 then
+  if per_window > 0 or tokens_per_window > 0 then
     now = now_ms(ARGV[7])
     window = math.floor(now / length)
+  end
+  if per_window > 0 then
     local rate = redis.call('HMGET', KEYS[6], 'w', 'n')
     if tonumber(rate[1] or '') == window then used = tonumber(rate[2] or '') or 0 end
     if used >= per_window then
       return {'limited', 'requests_per_minute', used, per_window, (window + 1) * length - now}
     end
   end
+  if tokens_per_window > 0 then
+    local spent = redis.call('HMGET', KEYS[7], 'w', 'n')
+    local tokens = 0
+    if tonumber(spent[1] or '') == window then tokens = tonumber(spent[2] or '') or 0 end
+    if tokens >= tokens_per_window then
+      return {'limited', 'tokens_per_minute', tokens, tokens_per_window, (window + 1) * length - now}
+    end
+  end
   local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 't', tenant, 'd', ARGV[2])
   redis.call('SET', KEYS[2], 1, 'PX', ARGV[4])
   redis.call('HINCRBY', KEYS[4], tenant, 1)
-  if per_window > 0 then
-    redis.call('HSET', KEYS[6], 'w', window, 'n', used + 1)
-    redis.call('PEXPIRE', KEYS[6], (window + 1) * length - now + length)
-  end
+  if per_window > 0 then add_in_window(KEYS[6], 1, now, length) end
   return {'ok', entry}
 end
 
 -- Write one request's events, fenced on ownership and idempotent by seq; a final batch also acks
--- (and optionally dead-letters) the request entry.
+-- (and optionally dead-letters) the request entry, and adds the request's tokens to its tenant's
+-- token window when the tenant has a tokens_per_minute quota: only in the call that deletes the
+-- entry, and only when the entry's `t` is the tenant given (an entry without `t` counts nothing).
 -- KEYS: lane stream, response stream, dead-letter stream, submitted marker (expires with the result),
--- tenant counts of the model.
+-- tenant counts of the model, the tenant's quota hash, the tenant's token window hash.
 -- ARGV: group, consumer, entry id, stream cap (0: none), live TTL ms, result TTL ms, first seq,
--- final (0/1), event count n, the n events, then (final only) the dead-letter part of `retire`.
+-- final (0/1), tenant, tokens (final only; 0: none), now ms (<= 0: Redis TIME), window ms,
+-- event count n, the n events, then (final only) the dead-letter part of `retire`.
 -- Reply: {status, last seq stored}; status: 'ok' written (or already there), 'done' a final batch
 -- already applied (entry acked), 'lost' another worker owns the entry (nothing written),
 -- 'gap' the stream ends before first seq - 1 (nothing written).
 local function publish(KEYS, ARGV)
   local lane, resp, dead = KEYS[1], KEYS[2], KEYS[3]
   local group, consumer, entry = ARGV[1], ARGV[2], ARGV[3]
-  local cap, first, final, n = tonumber(ARGV[4]), tonumber(ARGV[7]), ARGV[8] == '1', tonumber(ARGV[9])
+  local cap, first, final, n = tonumber(ARGV[4]), tonumber(ARGV[7]), ARGV[8] == '1', tonumber(ARGV[13])
+  local at = 14 + n  -- where the dead-letter part starts (its min id)
   local last = last_seq(resp)
   if not owns(lane, group, consumer, entry) then
     if final and last >= first + n - 1 then return {'done', last} end
     return {'lost', last}
   end
   if first > last + 1 then return {'gap', last} end
+  local tokens, now = final and (tonumber(ARGV[10]) or 0) or 0, 0
+  if tokens > 0 and (tonumber(redis.call('HGET', KEYS[6], 'tokens_per_minute') or '') or 0) > 0 then
+    now = now_ms(ARGV[11], true)  -- before any write (TIME); 0 if refused: not counted
+  end
   for j = 0, n - 1 do
     local seq = first + j
     if seq > last then
       if cap > 0 then
-        redis.call('XADD', resp, 'MAXLEN', '~', cap, '*', 'e', ARGV[10 + j], 's', seq)
+        redis.call('XADD', resp, 'MAXLEN', '~', cap, '*', 'e', ARGV[14 + j], 's', seq)
       else
-        redis.call('XADD', resp, '*', 'e', ARGV[10 + j], 's', seq)
+        redis.call('XADD', resp, '*', 'e', ARGV[14 + j], 's', seq)
       end
     end
   end
@@ -150,8 +187,9 @@ local function publish(KEYS, ARGV)
     end
   end
   if final then
-    retire(lane, dead, KEYS[5], group, entry, ARGV, 10 + n)
+    local tenant = retire(lane, dead, KEYS[5], group, entry, ARGV, at)
     if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], ARGV[6]) end
+    if now > 0 and tenant == ARGV[9] then add_in_window(KEYS[7], tokens, now, tonumber(ARGV[12])) end
   end
   return {'ok', math.max(last, first + n - 1)}
 end

@@ -31,9 +31,9 @@ RECOUNT = _step("recount")
 
 DEFAULT_MAX_QUEUE_LEN = 10_000  # per model, all lanes together, unless a worker or the SDK sets one
 HANDOVER_IDLE_MS = 10**12  # "idle forever": the next XAUTOCLAIM of any worker takes the entry
-RATE_WINDOW_MS = 60_000  # the window of a tenant's requests_per_minute
+RATE_WINDOW_MS = 60_000  # the window of a tenant's requests_per_minute and tokens_per_minute
 QUEUED_RETRY_AFTER_MS = 1_000  # the retry-after answered when a tenant's max_queued is reached
-QUOTA_FIELDS = ("max_queued", "requests_per_minute")  # of keys.tenant_quota(tenant)
+QUOTA_FIELDS = ("max_queued", "requests_per_minute", "tokens_per_minute")  # of keys.tenant_quota(tenant)
 
 
 def _s(x: Any) -> str:
@@ -63,6 +63,7 @@ def enqueue_call(
         keys.tenant_queued(model),
         keys.tenant_quota(tenant),
         keys.tenant_rate(tenant),
+        keys.tenant_tokens(tenant),
         *(keys.lane_stream(model, name) for name in keys.LANES),
     ]
     args = [request_id, payload, int(max_queue_len or 0), max(1, int(marker_ttl_ms)), DEFAULT_MAX_QUEUE_LEN]
@@ -74,7 +75,7 @@ class EnqueueReply(msgspec.Struct, frozen=True):
     entry_id: str | None = None
     queued: int = 0  # full: the model's outstanding entries; limited: the tenant's use of `quota`
     limit: int = 0
-    quota: str | None = None  # limited: max_queued | requests_per_minute
+    quota: str | None = None  # limited: max_queued | requests_per_minute | tokens_per_minute
     retry_after_ms: int = 0  # limited: when to try again
 
 
@@ -134,16 +135,27 @@ def publish_call(
     events: Sequence[bytes],
     final: bool,
     dead_letter: DeadLetter | None = None,
+    tenant: str = DEFAULT_TENANT,
+    tokens: int = 0,
+    now_ms: int = 0,
+    window_ms: int = RATE_WINDOW_MS,
 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of `publish`: events numbered first_seq, first_seq + 1, ..."""
+    """KEYS and ARGV of `publish`: events numbered first_seq, first_seq + 1, ...
+
+    `tokens` (final batch only): the request's prompt + completion tokens, added to `tenant`'s
+    token window (if it has a tokens_per_minute quota) by the call that deletes the entry, when the
+    entry's tenant field is `tenant`. `now_ms` 0: the window is read from Redis's clock."""
     ks = [
         keys.lane_stream(model, lane),
         keys.response_stream(request_id),
         keys.dead_letters(model),
         keys.submitted_marker(request_id),
         keys.tenant_queued(model),
+        keys.tenant_quota(tenant),
+        keys.tenant_tokens(tenant),
     ]
     args: list[Any] = [group, consumer, entry_id, cap, live_ttl_ms, result_ttl_ms, first_seq, int(final)]
+    args += [tenant, max(0, int(tokens)) if final else 0, int(now_ms), int(window_ms)]
     args += [len(events), *events]
     if dead_letter is not None:
         if not final:

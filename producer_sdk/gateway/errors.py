@@ -105,14 +105,18 @@ def queue_full(exc: sdk.QueueFull, retry_after_s: int) -> ApiError:
 
 def rate_limited(exc: sdk.RateLimited) -> ApiError:
     """OpenAI's answer to a rate limit: 429, code rate_limit_exceeded, type "requests" (a request
-    count, as OpenAI's RPM limits), `Retry-After` in whole seconds (rounded up) and `retry-after-ms`
-    (which the `openai` client prefers)."""
-    what = "requests per min (RPM)" if exc.quota == "requests_per_minute" else "requests in the queue"
+    count, as OpenAI's RPM limits) or "tokens" (tokens_per_minute, as its TPM limits), `Retry-After`
+    in whole seconds (rounded up) and `retry-after-ms` (which the `openai` client prefers)."""
+    if exc.quota == "tokens_per_minute":  # what a request will use is unknown until it finished
+        what, requested, kind = "tokens per min (TPM)", "", "tokens"
+    else:
+        what = "requests per min (RPM)" if exc.quota == "requests_per_minute" else "requests in the queue"
+        requested, kind = ", Requested 1", "requests"
     return ApiError(
         429,
-        f"Rate limit reached for tenant {exc.tenant} on {what}: Limit {exc.limit}, Used {exc.used}, "
-        f"Requested 1. Please try again in {exc.retry_after:.3f}s.",
-        type="requests",
+        f"Rate limit reached for tenant {exc.tenant} on {what}: Limit {exc.limit}, Used {exc.used}{requested}. "
+        f"Please try again in {exc.retry_after:.3f}s.",
+        type=kind,
         code="rate_limit_exceeded",
         headers={
             "Retry-After": str(max(1, math.ceil(exc.retry_after))),

@@ -1,10 +1,12 @@
 """A tenant's quota through the gateway: the API key names the tenant, a tenant over its quota gets
 OpenAI's 429 (the `openai` client raises RateLimitError), another tenant goes on, and the worker's
-ack gives the slot back, with the tenant on its metrics and its `request finished` line."""
+ack gives the slot back, with the tenant on its metrics and its `request finished` line; over
+tokens_per_minute the 429 is of type "tokens"."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -59,3 +61,29 @@ def test_a_tenant_over_its_quota_is_429_and_others_go_on(gw_worker, gw_redis_url
     finally:
         g.stop()
         tenants.delete_quota(r, "team-a")
+
+
+def test_a_tenant_over_its_tokens_per_minute_is_429_type_tokens(gw_worker, gw_redis_url, r, tmp_path):
+    key_file = tmp_path / "keys.json"
+    key_file.write_text(json.dumps({"sk-t": {"tenant": "team-t"}, "sk-u": {"tenant": "team-u"}}))
+    tenants.set_quota(r, "team-t", tokens_per_minute=3)
+    g = GatewayProc(gw_redis_url, "--api-keys", str(key_file)).start()
+    try:
+        t = openai.OpenAI(base_url=g.base_url, api_key="sk-t", max_retries=0)
+        u = openai.OpenAI(base_url=g.base_url, api_key="sk-u", max_retries=0)
+        seconds, micros = r.time()
+        left_ms = 60_000 - (seconds * 1000 + micros // 1000) % 60_000
+        if left_ms < 20_000:  # the two requests below must fall in one window of the Redis clock
+            time.sleep(left_ms / 1000 + 0.05)
+        first = t.chat.completions.create(model="default", messages=HI, max_tokens=2)  # admitted: 0 used
+        used = first.usage.prompt_tokens + first.usage.completion_tokens
+        with pytest.raises(openai.RateLimitError) as e:
+            t.chat.completions.create(model="default", messages=HI, max_tokens=2)
+        assert e.value.status_code == 429 and e.value.code == "rate_limit_exceeded" and e.value.type == "tokens"
+        assert f"tokens per min (TPM): Limit 3, Used {used}." in e.value.message
+        headers = e.value.response.headers
+        assert 1 <= int(headers["retry-after"]) <= 60 and 0 < int(headers["retry-after-ms"]) <= 60_000
+        assert u.chat.completions.create(model="default", messages=HI, max_tokens=2).choices[0].finish_reason
+    finally:
+        g.stop()
+        tenants.delete_quota(r, "team-t")

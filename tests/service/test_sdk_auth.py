@@ -55,7 +55,7 @@ async def test_acl_user_restricted_to_pagedq_keys(redis_url, acl_user):
         with pytest.raises(redis.exceptions.NoPermissionError):
             await client.redis.get("other:key")
     admin = redis.Redis.from_url(redis_url)
-    tenants.set_quota(admin, "team-a", max_queued=100, requests_per_minute=100)  # every quota command runs
+    tenants.set_quota(admin, "team-a", max_queued=100, requests_per_minute=100, tokens_per_minute=100)  # all run
     admin.close()
     with Client(url, MODEL, tenant="team-a") as sync_client:
         assert sync_client.submit("z").entry_id

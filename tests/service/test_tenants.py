@@ -1,17 +1,20 @@
 """Tenants and their quotas against a real redis-server: the enqueue step itself (time passed in, so
-windows need no sleeping), the ack that gives a queued slot back, the recount, the SDK's RateLimited,
+windows need no sleeping), the ack that gives a queued slot back, the final publish that counts a
+request's tokens once, the recount, the SDK's RateLimited (with real workers for tokens_per_minute),
 the `pagedq tenant` command, and the worker's bounded tenant labels."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import redis
 
 from producer_sdk import AsyncClient, Client, RateLimited, ValidationError, tenants
 from producer_sdk.contract import keys, scripts
-from producer_sdk.protocol import Finished, encode_event
+from producer_sdk.protocol import Finished, Started, encode_event
+from tests.service.worker_proc import WorkerProc, response_events, wait_until
 from worker.cli import main as pagedq
 from worker.service.inflight import Entry
 from worker.service.metrics import OTHER_TENANT, TenantLabels, WorkerMetrics
@@ -46,7 +49,7 @@ def take(r, consumer="w1") -> tuple[str, dict]:
     return entry_id.decode(), fields
 
 
-def finish(r, rid, entry_id, consumer="w1") -> scripts.PublishReply:
+def finish(r, rid, entry_id, consumer="w1", *, tenant="default", tokens=0, now_ms=0) -> scripts.PublishReply:
     ks, args = scripts.publish_call(
         MODEL,
         "normal",
@@ -60,8 +63,29 @@ def finish(r, rid, entry_id, consumer="w1") -> scripts.PublishReply:
         first_seq=0,
         events=[encode_event(Finished(seq=0, finish_reason="stop"))],
         final=True,
+        tenant=tenant,
+        tokens=tokens,
+        now_ms=now_ms,
     )
     return scripts.read_publish(r.register_script(scripts.PUBLISH)(keys=ks, args=args))
+
+
+def time_left_in_window(r, at_least_s: float) -> int:
+    """Wait, if need be, until the current window of the Redis clock has at least `at_least_s` left, so
+    that what a test does next falls in one window; returns that window's number."""
+    seconds, micros = r.time()
+    now = seconds * 1000 + micros // 1000
+    left = MINUTE - now % MINUTE
+    if left < at_least_s * 1000:
+        time.sleep(left / 1000 + 0.05)
+        return now // MINUTE + 1
+    return now // MINUTE
+
+
+def tokens_window(r, tenant) -> tuple[int, int] | None:
+    """(window number, tokens) of the tenant's token window hash, None when there is none."""
+    w, n = r.hmget(keys.tenant_tokens(tenant), ["w", "n"])
+    return None if w is None else (int(w), int(n))
 
 
 # --- the enqueue step -------------------------------------------------------------------------------
@@ -129,6 +153,77 @@ def test_requests_per_minute_on_the_redis_clock(r):
     assert refused and all(0 < x.retry_after_ms <= MINUTE for x in refused)
 
 
+def test_tokens_per_minute_refuses_once_the_window_is_used(r):
+    tenants.set_quota(r, "team-a", tokens_per_minute=100)
+    window = T0 // MINUTE
+    assert enqueue(r, "req-tok-00001", "team-a", now_ms=T0 + 100).status == "ok"
+    entry_id, _ = take(r)
+    assert finish(r, "req-tok-00001", entry_id, tenant="team-a", tokens=60, now_ms=T0 + 500).status == "ok"
+    assert tokens_window(r, "team-a") == (window, 60)
+    # 60 of 100 used: admitted (consumption is measured after the fact, so this one may overshoot).
+    assert enqueue(r, "req-tok-00002", "team-a", now_ms=T0 + 1_000).status == "ok"
+    entry_id, _ = take(r)
+    assert finish(r, "req-tok-00002", entry_id, tenant="team-a", tokens=50, now_ms=T0 + 1_500).status == "ok"
+    assert tokens_window(r, "team-a") == (window, 110)
+    over = enqueue(r, "req-tok-00003", "team-a", now_ms=T0 + 2_000)
+    assert over == scripts.EnqueueReply(
+        "limited", queued=110, limit=100, quota="tokens_per_minute", retry_after_ms=MINUTE - 2_000
+    )
+    assert not r.exists(keys.submitted_marker("req-tok-00003"))  # nothing of it was written
+    assert enqueue(r, "req-tok-other", "team-a", now_ms=T0 + 2_000, model="other").status == "limited"  # all models
+    assert enqueue(r, "req-tok-b0001", "team-b", now_ms=T0 + 2_000).status == "ok"  # another tenant
+    take(r)  # (team-b's entry, left running)
+    assert 0 < r.pttl(keys.tenant_tokens("team-a")) <= 2 * MINUTE
+    # Exactly at the limit is refused too; the next window starts from zero.
+    r.hset(keys.tenant_tokens("team-a"), "n", 100)
+    assert enqueue(r, "req-tok-00003", "team-a", now_ms=T0 + MINUTE - 1).retry_after_ms == 1
+    assert enqueue(r, "req-tok-00003", "team-a", now_ms=T0 + MINUTE).status == "ok"
+    entry_id, _ = take(r)
+    assert finish(r, "req-tok-00003", entry_id, tenant="team-a", tokens=7, now_ms=T0 + MINUTE + 10).status == "ok"
+    assert tokens_window(r, "team-a") == (window + 1, 7)
+
+
+def test_a_final_publish_counts_the_tokens_once(r):
+    tenants.set_quota(r, "team-a", tokens_per_minute=1_000)
+    enqueue(r, "req-once-0001", "team-a")
+    entry_id, _ = take(r)
+    assert finish(r, "req-once-0001", entry_id, tenant="team-a", tokens=30, now_ms=T0).status == "ok"
+    # The same final call again (its reply was lost): the entry is gone, the tokens are not added again.
+    assert finish(r, "req-once-0001", entry_id, tenant="team-a", tokens=30, now_ms=T0).status == "done"
+    assert tokens_window(r, "team-a") == (T0 // MINUTE, 30)
+
+    # A worker that lost the entry to another writes nothing and counts nothing.
+    enqueue(r, "req-once-0002", "team-a")
+    entry_id, _ = take(r)
+    r.xclaim(keys.lane_stream(MODEL), GROUP, "w2", 0, [entry_id])
+    assert finish(r, "req-once-0002", entry_id, tenant="team-a", tokens=40, now_ms=T0).status == "lost"
+    assert tokens_window(r, "team-a") == (T0 // MINUTE, 30)
+    assert finish(r, "req-once-0002", entry_id, "w2", tenant="team-a", tokens=40, now_ms=T0).status == "ok"
+    assert tokens_window(r, "team-a") == (T0 // MINUTE, 70)
+
+    # Counted only for the entry's own tenant: an older SDK's entry (no `t`) counts against nothing,
+    # nor does a tenant given that is not the entry's.
+    r.xadd(keys.lane_stream(MODEL), {"id": "req-old-sdk-01", "d": b"p"})
+    entry_id, _ = take(r)
+    assert finish(r, "req-old-sdk-01", entry_id, tenant="team-a", tokens=50, now_ms=T0).status == "ok"
+    enqueue(r, "req-once-0003", "team-b")
+    entry_id, _ = take(r)
+    assert finish(r, "req-once-0003", entry_id, tenant="team-a", tokens=50, now_ms=T0).status == "ok"
+    assert tokens_window(r, "team-a") == (T0 // MINUTE, 70)
+
+    # A tenant without a tokens_per_minute quota is not counted (no window is written).
+    enqueue(r, "req-once-0004", "team-c")
+    entry_id, _ = take(r)
+    assert finish(r, "req-once-0004", entry_id, tenant="team-c", tokens=50, now_ms=T0).status == "ok"
+    assert not r.exists(keys.tenant_tokens("team-c"))
+    # A non-final batch carries no tokens.
+    _, args = scripts.publish_call(
+        MODEL, "normal", "req-x", group=GROUP, consumer="w1", entry_id="1-0", cap=0, live_ttl_ms=1,
+        result_ttl_ms=1, first_seq=0, events=[], final=False, tenant="team-a", tokens=50,
+    )  # fmt: skip
+    assert args[8:10] == ["team-a", 0]
+
+
 def test_recount_repairs_the_counts(r):
     for i, tenant in enumerate(["team-a", "team-a", "team-b"]):
         enqueue(r, f"req-count-{i:04d}", tenant)
@@ -166,6 +261,58 @@ async def test_sdk_raises_rate_limited_and_other_tenants_go_on(redis_url, r):
         Client(redis_url, MODEL, tenant="x" * 33)
 
 
+def test_a_worker_counts_finished_tokens_and_the_next_submit_is_refused(llama_dir, redis_url, r):
+    tenants.set_quota(r, "team-a", tokens_per_minute=5)
+    w = WorkerProc(llama_dir, redis_url, metrics=False).start()
+    try:
+        with Client(redis_url, MODEL, tenant="team-a") as a, Client(redis_url, MODEL, tenant="team-b") as b:
+            window = time_left_in_window(r, 30)
+            done = a.generate("hello there", max_tokens=4, temperature=0, ignore_eos=True, timeout=60)
+            used = done.usage.prompt_tokens + done.usage.completion_tokens
+            assert done.usage.completion_tokens == 4 and used > 5  # admitted under the limit, overshoots it
+            assert tokens_window(r, "team-a") == (window, used)  # written with the final event
+            with pytest.raises(RateLimited) as e:
+                a.submit("again", max_tokens=4)
+            assert (e.value.tenant, e.value.quota, e.value.used, e.value.limit) == (
+                "team-a",
+                "tokens_per_minute",
+                used,
+                5,
+            )
+            assert 0 < e.value.retry_after <= 60
+            other = b.generate("another tenant", max_tokens=2, temperature=0, ignore_eos=True, timeout=60)
+            assert other.finish_reason == "length"
+            assert not r.exists(keys.tenant_tokens("team-b"))  # no tokens_per_minute quota: not counted
+    finally:
+        w.stop()
+
+
+def test_a_request_resumed_after_a_crash_counts_its_tokens_once(llama_dir, redis_url, r):
+    """The doomed worker dies right before its final publish, which is where the tokens are counted;
+    the rescuer resumes the request, and its final publish counts the whole usage, once."""
+    tenants.set_quota(r, "team-a", tokens_per_minute=1_000_000)
+    env = {"PAGEDQ_FAULT_EXIT_BEFORE_FINAL_PUBLISH": "1", "PAGEDQ_FAULT_STEP_DELAY_S": "0.02"}
+    doomed = WorkerProc(llama_dir, redis_url, name="doomed", metrics=False, env=env).start()
+    rescuer = WorkerProc(llama_dir, redis_url, "--claim-idle-ms", "1000", name="rescuer", metrics=False)
+    try:
+        with Client(redis_url, MODEL, tenant="team-a") as a:
+            before = time_left_in_window(r, 0)
+            handle = a.submit("resume me", max_tokens=8, temperature=0, ignore_eos=True)
+            wait_until(lambda: doomed.proc.poll() is not None, 60, "the doomed worker's exit")
+            assert not r.exists(keys.tenant_tokens("team-a"))  # nothing counted without the final publish
+            rescuer.start()
+            done = handle.result(timeout=60)
+            after = time_left_in_window(r, 0)
+        starts = [e for e in response_events(redis_url, handle.request_id) if isinstance(e, Started)]
+        assert [s.worker for s in starts] == ["doomed", "rescuer"]  # it was resumed
+        assert done.usage.completion_tokens == 8  # all of them, the doomed worker's included
+        window, used = tokens_window(r, "team-a")
+        assert before <= window <= after and used == done.usage.prompt_tokens + done.usage.completion_tokens
+    finally:
+        doomed.stop()
+        rescuer.stop()
+
+
 def test_sync_client_requests_per_minute(redis_url, r):
     tenants.set_quota(r, "team-a", requests_per_minute=1)
     refused = []
@@ -191,7 +338,12 @@ def test_tenant_command(redis_url, r, capsys):
     capsys.readouterr()
     assert pagedq(["tenant", "show", "--json", *url]) == 0
     rows = {row["tenant"]: row for row in json.loads(capsys.readouterr().out)}
-    assert rows["team-a"]["quota"] == {"tenant": "team-a", "max_queued": 4, "requests_per_minute": 10}
+    assert rows["team-a"]["quota"] == {
+        "tenant": "team-a",
+        "max_queued": 4,
+        "requests_per_minute": 10,
+        "tokens_per_minute": 0,
+    }
     assert rows["team-a"]["queued"] == {MODEL: 1} and rows["team-a"]["requests_this_minute"] == 0
     assert rows["team-b"]["queued"] == {MODEL: 1} and rows["team-b"]["requests_this_minute"] is None
     assert pagedq(["tenant", "show", "team-a", *url]) == 0
@@ -202,6 +354,30 @@ def test_tenant_command(redis_url, r, capsys):
     assert tenants.get_quota(r, "team-a") == tenants.TenantQuota(tenant="team-a")
     assert pagedq(["tenant", "set", "bad name", "--max-queued", "1", *url]) == 1
     assert pagedq(["tenant", "set", "team-a", "--max-queued", "-1", *url]) == 1
+
+
+def test_tenant_command_tokens_per_minute(redis_url, r, capsys):
+    url = ["--redis-url", redis_url]
+    assert pagedq(["tenant", "set", "team-t", "--tokens-per-minute", "500", *url]) == 0
+    assert "500 tokens per minute" in capsys.readouterr().out
+    assert pagedq(["tenant", "set", "team-t", "--max-queued", "2", *url]) == 0  # tokens_per_minute is kept
+    assert tenants.get_quota(r, "team-t") == tenants.TenantQuota(tenant="team-t", max_queued=2, tokens_per_minute=500)
+    enqueue(r, "req-cli-tok01", "team-t")
+    time_left_in_window(r, 5)
+    entry_id, _ = take(r)
+    assert finish(r, "req-cli-tok01", entry_id, tenant="team-t", tokens=120).status == "ok"  # the Redis clock
+    capsys.readouterr()
+    assert pagedq(["tenant", "show", "team-t", "--json", *url]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["quota"] == {"tenant": "team-t", "max_queued": 2, "requests_per_minute": 0, "tokens_per_minute": 500}
+    assert (row["tokens_this_minute"], row["requests_this_minute"]) == (120, None)
+    assert pagedq(["tenant", "show", "team-t", *url]) == 0
+    header, line = capsys.readouterr().out.splitlines()
+    assert "tok/min" in header and line.split() == ["team-t", "2", "-", "-", "500", "120", "0"]
+    assert tenants.usage(r, tenants=["team-t"])[0].tokens_this_minute == 120
+    assert pagedq(["tenant", "set", "team-t", "--tokens-per-minute", "-1", *url]) == 1
+    assert pagedq(["tenant", "delete", "team-t", *url]) == 0
+    assert not r.exists(keys.tenant_tokens("team-t"))
 
 
 # --- the worker's side ------------------------------------------------------------------------------
@@ -236,4 +412,9 @@ def test_gateway_keys_name_valid_tenants_and_rate_limited_is_openais_429():
     assert err.status == 429 and err.headers == {"Retry-After": "13", "retry-after-ms": "12345"}
     body = json.loads(err.json())["error"]
     assert (body["type"], body["code"], body["param"]) == ("requests", "rate_limit_exceeded", None)
-    assert "requests per min (RPM): Limit 10, Used 10" in body["message"]
+    assert "requests per min (RPM): Limit 10, Used 10, Requested 1. Please" in body["message"]
+    err = from_sdk(RateLimited("team-a", "tokens_per_minute", 130, 100, 2.5))
+    assert err.status == 429 and err.headers == {"Retry-After": "3", "retry-after-ms": "2500"}
+    body = json.loads(err.json())["error"]
+    assert (body["type"], body["code"]) == ("tokens", "rate_limit_exceeded")
+    assert "tokens per min (TPM): Limit 100, Used 130. Please try again in 2.500s." in body["message"]

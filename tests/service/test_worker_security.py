@@ -10,7 +10,8 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
-from producer_sdk import Client, PermissionDenied
+from producer_sdk import Client, PermissionDenied, tenants
+from producer_sdk.contract import keys
 from tests.service.worker_proc import WorkerProc
 from worker.service.redis_proc import RedisProcess, free_port
 
@@ -54,11 +55,15 @@ def test_documented_acls_isolate_tenants(llama_dir, redis_url, acl):
     worker_url = acl("pagedq-worker", "pagedq-worker", "worker-pw")
     tenant_a = acl("tenant-a", "tenant-a", "pw-a")
     tenant_b = acl("tenant-a", "tenant-b", "pw-b")
+    admin = redis.Redis.from_url(redis_url)
+    tenants.set_quota(admin, "tenant-a", tokens_per_minute=10_000)  # the worker's final publish counts tokens
     w = WorkerProc(llama_dir, worker_url, model="tenant-a", metrics=False).start()
     try:
         with Client(tenant_a, model="tenant-a", tenant="tenant-a") as a:
             res = a.generate("hello from a", max_tokens=5, temperature=0, ignore_eos=True, timeout=60)
             assert res.finish_reason == "length" and len(res.token_ids) == 5
+        used = int(admin.hget(keys.tenant_tokens("tenant-a"), "n"))
+        assert used == res.usage.prompt_tokens + res.usage.completion_tokens
         with Client(tenant_b, model="tenant-a", tenant="tenant-b") as b, pytest.raises(PermissionDenied):
             b.submit("b writes into a's queue", max_tokens=5)
         raw_b = redis.Redis.from_url(tenant_b)
@@ -69,6 +74,7 @@ def test_documented_acls_isolate_tenants(llama_dir, redis_url, acl):
         raw_b.close()
     finally:
         w.stop()
+        admin.close()
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")

@@ -240,8 +240,18 @@ class Publisher:
             first_seq=rec.next_seq,
             events=events,
             final=final,
+            tenant=rec.tenant,
+            tokens=self._used_tokens(p.final) if final and p.final is not None else 0,
         )
         return _Call(p, len(events), final, ks, args)
+
+    @staticmethod
+    def _used_tokens(out: RequestOutput) -> int:
+        """What a finished request counts against its tenant's tokens_per_minute: the prompt and
+        completion tokens of its `Finished` event's usage (an `Error` event counts none)."""
+        if out.error:
+            return 0
+        return len(out.prompt_token_ids) + sum(len(c.token_ids) for c in out.outputs)
 
     # --- running them --------------------------------------------------------------------------
 
