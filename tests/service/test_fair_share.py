@@ -4,12 +4,14 @@ renewed while healthy, answered at once when cancelled, and handed over on shutd
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import signal
 import time
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from producer_sdk import Client, tenants
 from producer_sdk.contract import keys
@@ -135,3 +137,42 @@ def test_held_entries_are_renewed_cancelled_and_handed_over(llama_dir, redis_url
     starts = {rid: [e for e in response_events(redis_url, rid) if isinstance(e, Started)] for rid in rest}
     assert all(len(s) == 1 for s in starts.values()), starts  # each ran once: none lost, none run twice
     assert sum(s[0].worker == "w2" for s in starts.values()) >= handed[0]["count"]
+
+
+def test_weight_command_and_the_workers_cache(redis_url, capsys):
+    from worker.cli import main as pagedq
+    from worker.service.tenant_weights import TenantWeights
+
+    url = ["--redis-url", redis_url]
+    r = redis.Redis.from_url(redis_url)
+    assert pagedq(["tenant", "set", "team-a", "--weight", "2.5", *url]) == 0
+    assert "fair-share weight 2.5" in capsys.readouterr().out
+    assert tenants.get_weight(r, "team-a") == 2.5
+    assert pagedq(["tenant", "set", "team-a", "--max-queued", "3", *url]) == 0  # the weight is kept
+    assert tenants.get_weight(r, "team-a") == 2.5
+    # a bad weight is refused before anything is written (the quota change with it too)
+    for bad in ("0", "-1", "nan", "inf"):
+        assert pagedq(["tenant", "set", "team-a", "--weight", bad, "--max-queued", "9", *url]) == 1
+    assert tenants.get_quota(r, "team-a").max_queued == 3 and tenants.get_weight(r, "team-a") == 2.5
+    r.hset(keys.tenant_quota("team-b"), tenants.WEIGHT_FIELD, "junk")  # set by hand: read as the default
+    assert tenants.get_weight(r, "team-b") == tenants.DEFAULT_WEIGHT
+
+    async def cached() -> None:
+        aio = aioredis.Redis.from_url(redis_url)
+        try:
+            weights = TenantWeights(aio, ttl_s=3600)
+            await weights.refresh(["team-a", "team-c"])
+            assert (weights.get("team-a"), weights.get("team-c")) == (2.5, 1.0)
+            tenants.set_weight(r, "team-a", 4)
+            await weights.refresh(["team-a"])
+            assert weights.get("team-a") == 2.5  # cached: not read per request
+            weights.ttl_s = 0
+            await weights.refresh(["team-a"])
+            assert weights.get("team-a") == 4.0
+        finally:
+            await aio.aclose()
+
+    asyncio.run(cached())
+    assert pagedq(["tenant", "delete", "team-a", *url]) == 0  # the weight goes with the quota
+    assert tenants.get_weight(r, "team-a") == tenants.DEFAULT_WEIGHT
+    r.close()
