@@ -178,8 +178,9 @@ class Intake:
 
     def drop_held(self, entry_ids: set[str]) -> None:
         """Another worker owns these entries now: forget them."""
-        if self.fair is not None and self.fair.remove_entries(entry_ids):
-            self.log.warning("held entries owned by another worker now", count=len(entry_ids))
+        gone = self.fair.remove_entries(entry_ids) if self.fair is not None else []
+        if gone:
+            self.log.warning("held entries owned by another worker now", count=len(gone))
             self._update_gauge()
 
     def release_held(self, running: set[str]) -> list[Entry]:
