@@ -6,6 +6,9 @@ submit: at most `max_queued` outstanding requests (queued or running) of each mo
 clock), and no new request once `tokens_per_minute` tokens (prompt + completion of the tenant's
 requests finished in the current window, counted by the worker's final publish) are used. 0 or
 absent: unlimited. A tenant with no quota is unlimited.
+
+A tenant's fair-share `weight` lives in the same hash (field `weight`, default 1): workers that hold
+entries beyond their free seats admit them in proportion to the weights of the tenants waiting.
 """
 
 from __future__ import annotations
@@ -132,3 +135,39 @@ def recount(r: Any, model: str) -> dict[str, int]:
     (repairs the counts max_queued reads after entries were deleted by hand or lost)."""
     ks, args = scripts.recount_call(model)
     return scripts.read_recount(r.register_script(scripts.RECOUNT)(keys=ks, args=args))
+
+
+# --- fair-share weight --------------------------------------------------------------------------
+
+WEIGHT_FIELD = "weight"  # of keys.tenant_quota(tenant); workers read it, the enqueue step does not
+DEFAULT_WEIGHT = 1.0
+MAX_WEIGHT = 1_000_000.0
+
+
+def parse_weight(raw: Any) -> float:
+    """A stored weight, or DEFAULT_WEIGHT when absent or not a number in (0, MAX_WEIGHT]."""
+    try:
+        w = float(_text(raw)) if raw is not None else DEFAULT_WEIGHT
+    except ValueError:
+        return DEFAULT_WEIGHT
+    return w if 0 < w <= MAX_WEIGHT else DEFAULT_WEIGHT
+
+
+def validate_weight(weight: Any) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= MAX_WEIGHT:
+        raise ValueError(f"weight must be a number > 0 and <= {MAX_WEIGHT:g}, not {weight!r}")
+    return float(weight)
+
+
+def set_weight(r: Any, tenant: str, weight: float) -> float:
+    """Set a tenant's fair-share weight (> 0; 1 is the default). Workers apply it within seconds."""
+    tenant, weight = validate_tenant(tenant), validate_weight(weight)
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(keys.tenant_quota(tenant), WEIGHT_FIELD, repr(weight))
+    pipe.sadd(keys.tenants(), tenant)
+    pipe.execute()
+    return get_weight(r, tenant)
+
+
+def get_weight(r: Any, tenant: str) -> float:
+    return parse_weight(r.hget(keys.tenant_quota(validate_tenant(tenant)), WEIGHT_FIELD))

@@ -32,6 +32,12 @@ def add_tenant_args(tenant: argparse.ArgumentParser) -> None:
         help="prompt + completion tokens of finished requests per minute, all models; a submit is refused once "
         "the minute's reach it (0: unlimited)",
     )
+    s.add_argument(
+        "--weight",
+        type=float,
+        default=None,
+        help="fair-share weight against other tenants waiting on a worker (default 1; workers read it within 5 s)",
+    )
     show = action("show", help="quotas and current use of each tenant")
     show.add_argument("name", nargs="*", help="only these tenants (default: those with a quota or requests)")
     show.add_argument("--model-name", action="append", default=None, help="count these models (default: all served)")
@@ -71,6 +77,8 @@ def cmd_tenant(args: argparse.Namespace) -> int:
     r = connect(args.redis_url or default_redis_url(), asyncio=False, socket_timeout=30)
     try:
         if args.tenant_command == "set":
+            if args.weight is not None:
+                tenants.validate_weight(args.weight)  # before anything is written
             q = tenants.set_quota(
                 r,
                 args.name,
@@ -82,6 +90,8 @@ def cmd_tenant(args: argparse.Namespace) -> int:
                 f"tenant {q.tenant}: max queued {_limit(q.max_queued)} per model, "
                 f"{_limit(q.requests_per_minute)} requests per minute, {_limit(q.tokens_per_minute)} tokens per minute"
             )
+            if args.weight is not None:
+                print(f"tenant {q.tenant}: fair-share weight {tenants.set_weight(r, args.name, args.weight):g}")
         elif args.tenant_command == "show":
             rows = tenants.usage(r, args.model_name, args.name or None)
             print(msgspec.json.encode(rows).decode() if args.json else render(rows))

@@ -202,6 +202,7 @@ class Admission:
             if self.tracer is not None:
                 self.tracer.ended_early(req, e, rec.attempt, error_code=code, message=str(err))
             return
+        self.log.debug("request admitted", request_id=req.request_id, tenant=rec.tenant, lane=e.lane)
         if self.recently_cancelled(req.request_id):  # cancelled while we were admitting it
             self.engine.abort_request(req.request_id)
         self.wake_engine()

@@ -2,7 +2,8 @@
 
 Pub/sub drops messages while disconnected, so `sweep` also reads the flags of everything in flight
 now and then. A cancel is remembered for a while, for the request that is between intake's flag
-check and the engine when its message arrives.
+check and the engine when its message arrives. A request the intake holds for fair share (read, not
+admitted) is handed to `on_held_cancel`, which answers it at once instead of at its turn.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ class Cancels:
         model: str,
         consumer: str,
         abort: Callable[[str], None],
+        held: Callable[[], list[str]] = list,
+        on_held_cancel: Callable[[str], None] = lambda request_id: None,
     ) -> None:
         self.redis = redis
         self.inflight = inflight
         self.model = model
         self.abort = abort
+        self.held, self.on_held_cancel = held, on_held_cancel
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.log = get_logger("pagedq.cancels", worker=consumer)
 
@@ -78,9 +82,12 @@ class Cancels:
         if msg.request_id in self.inflight:
             self.log.info("cancel", request_id=msg.request_id)
             self.abort(msg.request_id)
+        elif msg.request_id in self.held():
+            self.on_held_cancel(msg.request_id)
 
     async def sweep(self) -> None:
-        ids = list(self.inflight)
+        held = set(self.held())
+        ids = list(self.inflight) + list(held)
         if not ids:
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -89,3 +96,5 @@ class Cancels:
         for rid, flagged in zip(ids, await pipe.execute(), strict=True):
             if flagged and rid in self.inflight:
                 self.abort(rid)
+            elif flagged and rid in held:
+                self.on_held_cancel(rid)

@@ -51,6 +51,13 @@ class ServiceConfig:
     max_tenant_labels: int = option(
         20, 'distinct tenant label values on metrics; later tenants are counted as tenant="other"', type=int
     )
+    fair_share_window: int | None = option(
+        None,
+        "fair share between tenants: read up to this many entries beyond the free seats, hold them, and "
+        "admit in weighted fair order (weights: pagedq tenant set T --weight W), highest lane first; "
+        "0: admit in the order read (FIFO per lane). Default: max-num-seqs // 4",
+        type=int,
+    )
     arq_queue: str | None = option(
         None, "also serve pagedq_generate jobs of this arq queue (pip install 'pagedq[arq]')"
     )
@@ -82,6 +89,8 @@ class ServiceConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 second")
         if self.wait_replicas < 0:
             raise ValueError("--wait-replicas must be >= 0")
+        if self.fair_share_window is not None and self.fair_share_window < 0:
+            raise ValueError("--fair-share-window must be >= 0")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be at least 1")
 

@@ -8,6 +8,12 @@ Entries a dead worker left idle past the claim timeout come first (XAUTOCLAIM, e
 interval), then new ones, high lane first; with nothing waiting it blocks on all lanes at once.
 Redis outages and transient errors are retried with backoff; anything else stops the worker (the
 supervisor's job).
+
+Fair share (`window` > 0): each round also reads up to `window` entries beyond what it admits and
+holds them in a `FairQueue`, then admits from what it holds: highest lane first, then the tenant
+with the least weighted share so far. Held entries stay pending to this worker in the consumer group
+(renewed with the in-flight ones, handed over on shutdown), so a crash loses none of them. With
+`window` 0 entries are admitted in the order read (FIFO per lane).
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from redis.exceptions import ResponseError
 from producer_sdk.contract import keys
 from producer_sdk.contract.redis_errors import is_transient
 from worker.service.admission import Admission
+from worker.service.fair_queue import FairQueue
 from worker.service.inflight import Entry
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.retry import Backoff
+from worker.service.tenant_weights import TenantWeights
 
 
 class Intake:
@@ -43,6 +51,7 @@ class Intake:
         reclaim_interval_s: float,
         metrics: WorkerMetrics,
         block_ms: int = 1000,
+        window: int = 0,
     ) -> None:
         self.redis, self.blocking = redis, blocking_redis
         self.admission = admission
@@ -56,6 +65,11 @@ class Intake:
         self.block_ms = block_ms
         self.capacity_changed = asyncio.Event()
         self._next_reclaim = 0.0
+        self.window = max(0, window)
+        self.fair = FairQueue(keys.LANES) if self.window else None
+        self.weights = TenantWeights(redis)
+        self._picked: list[Entry] = []  # popped from `fair`, being admitted
+        self._gauged: set[tuple[str, str]] = set()
         self.log = get_logger("pagedq.intake", worker=consumer)
 
     async def ensure_groups(self) -> None:
@@ -117,13 +131,79 @@ class Intake:
     async def _round(self, room: int) -> None:
         if time.monotonic() >= self._next_reclaim:
             self._next_reclaim = time.monotonic() + self.reclaim_interval_s
-            reclaimed = await self._reclaim(room)
+            # An entry we hold that the claim took back (its renewal came late) is ours already.
+            reclaimed = [e for e in await self._reclaim(room) if not self.holds_entry(e.entry_id)]
             if reclaimed:
                 await self.admission.resume(reclaimed)
                 return  # the room changed: measure it again
-        entries = await self._read(room)
-        if entries:
-            await self.admission.admit(entries)
+        if self.fair is None:
+            entries = await self._read(room)
+            if entries:
+                await self.admission.admit(entries)
+            return
+        want = room + self.window - len(self.fair)
+        if want > 0:
+            for e in await self._read(want, block=not self.fair):
+                self.fair.push(e)
+        if self.fair:
+            await self.weights.refresh(self.fair.tenants())
+            self._picked = self.fair.pop_many(room, self.weights.get)
+            self._update_gauge()
+            try:
+                await self.admission.admit(self._picked)
+            except Exception:
+                self._picked = []  # pending here, not renewed: reclaimed after the idle timeout
+                raise
+            # (cancelled instead: `release_held` hands over the ones not admitted)
+            self._picked = []
+
+    # --- held entries (fair share) ----------------------------------------------------------------
+
+    def holds_entry(self, entry_id: str) -> bool:
+        return self.fair is not None and self.fair.holds(entry_id)
+
+    def held_entries(self) -> list[Entry]:
+        """What this worker holds and has not admitted: to renew along with the in-flight entries."""
+        return self.fair.entries() if self.fair is not None else []
+
+    def held_request_ids(self) -> list[str]:
+        return [rid for e in self.held_entries() if (rid := e.request_id) is not None]
+
+    async def cancel_held(self, request_id: str) -> None:
+        """A held request was cancelled: admit it now, which answers it (abort) without compute."""
+        e = self.fair.remove_request(request_id) if self.fair is not None else None
+        if e is not None:
+            self._update_gauge()
+            await self.admission.admit([e])
+
+    def drop_held(self, entry_ids: set[str]) -> None:
+        """Another worker owns these entries now: forget them."""
+        gone = self.fair.remove_entries(entry_ids) if self.fair is not None else []
+        if gone:
+            self.log.warning("held entries owned by another worker now", count=len(gone))
+            self._update_gauge()
+
+    def release_held(self, running: set[str]) -> list[Entry]:
+        """Everything held and not admitted (the intake has stopped): for the handover. `running`:
+        the request ids in flight (an entry being admitted when the intake stopped may be one)."""
+        if self.fair is None:
+            return []
+        out = self.fair.drain() + [e for e in self._picked if e.request_id not in running]
+        self._picked = []
+        self._update_gauge()
+        return out
+
+    def _update_gauge(self) -> None:
+        if self.fair is None:
+            return
+        m = self.metrics
+        counts: dict[tuple[str, str], int] = {}
+        for (lane, tenant), n in self.fair.held_by().items():
+            key = (lane, m.tenant_label(tenant))
+            counts[key] = counts.get(key, 0) + n
+        for lane, label in self._gauged | set(counts):
+            m.labels(m.fair_share_held, lane=lane, tenant=label).set(counts.get((lane, label), 0))
+        self._gauged |= set(counts)
 
     async def _reclaim(self, room: int) -> list[Entry]:
         """Entries idle past the claim timeout (their worker died), as many as there is room for."""
@@ -152,15 +232,16 @@ class Intake:
             pipe.xpending_range(stream, self.group, min=eid, max=eid, count=1)
         return {eid: int(info[0]["times_delivered"]) for eid, info in zip(entry_ids, await pipe.execute()) if info}
 
-    async def _read(self, room: int) -> list[Entry]:
-        """Up to `room` new entries, high lane first; block on all lanes when none is waiting."""
+    async def _read(self, room: int, block: bool = True) -> list[Entry]:
+        """Up to `room` new entries, high lane first; block on all lanes when none is waiting (unless
+        told not to)."""
         entries: list[Entry] = []
         for stream in self.streams.values():
             if len(entries) >= room:
                 break
             got = await self.redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=room - len(entries))
             entries += self._entries(got)
-        if entries:
+        if entries or not block:
             return entries
         got = await self.blocking.xreadgroup(
             self.group, self.consumer, {s: ">" for s in self.streams.values()}, count=1, block=self.block_ms

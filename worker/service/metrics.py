@@ -87,6 +87,11 @@ class WorkerMetrics:
             "Age of the oldest entry in a lane that no worker has taken yet (0 when none waits)",
             [*m, "lane"],
         )
+        self.fair_share_held = gauge(
+            "pagedq_fair_share_held_entries",
+            "Entries this worker read and holds for fair share, not yet admitted (not in pagedq_queue_lag)",
+            [*m, "lane", "tenant"],
+        )
         self.kv_usage = gauge("pagedq_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
         self.kv_waste = gauge("pagedq_kv_cache_waste_perc", "Allocated KV slots holding no live token (0-1)")
         self.prefix_queries = counter("pagedq_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")

@@ -4,17 +4,18 @@ An entry idle past the claim timeout is taken over by any worker (XAUTOCLAIM), s
 entry is renewed well inside that timeout (`renew`: XCLAIM to ourselves, idle 0, no delivery
 counted). On shutdown, or when a request must start over, `hand_over` marks entries idle "forever"
 so the next worker's XAUTOCLAIM takes them at once. Both go through the contract's fenced
-`claim_own` step, which also tells which entries another worker owns now.
+`claim_own` step, which also tells which entries another worker owns now. Entries held for fair
+share (read, not admitted yet) are renewed and handed over the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
 from producer_sdk.contract import keys, scripts
-from worker.service.inflight import InFlight, InFlightTable
+from worker.service.inflight import Entry, InFlight, InFlightTable
 from worker.service.logging import get_logger
 
 
@@ -27,36 +28,52 @@ class Ownership:
         model: str,
         consumer: str,
         on_lost: Callable[[InFlight], None],
+        held: Callable[[], list[Entry]] = list,
+        on_held_lost: Callable[[set[str]], None] = lambda ids: None,
     ) -> None:
         self.redis = redis
         self.inflight = inflight
         self.model, self.consumer = model, consumer
         self.group = keys.group(model)
         self.on_lost = on_lost
+        self.held, self.on_held_lost = held, on_held_lost
         self._claim = redis.register_script(scripts.CLAIM_OWN)
         self.log = get_logger("pagedq.ownership", worker=consumer)
 
     async def renew(self) -> None:
         await self._claim_own(list(self.inflight.values()), 0)
+        held = self.held()
+        if held:
+            lost = await self._claim_entries(held, 0)
+            if lost:
+                self.on_held_lost(lost)
 
     async def hand_over(self, recs: list[InFlight]) -> None:
         await self._claim_own(recs, scripts.HANDOVER_IDLE_MS)
 
-    async def _claim_own(self, recs: list[InFlight], idle_ms: int) -> None:
-        by_lane: dict[str, list[InFlight]] = {}
-        for rec in recs:
-            by_lane.setdefault(rec.lane, []).append(rec)
-        for lane, group in by_lane.items():
+    async def hand_over_entries(self, entries: list[Entry]) -> None:
+        """Release entries this worker read but never admitted: the next worker's claim takes them."""
+        await self._claim_entries(entries, scripts.HANDOVER_IDLE_MS)
+
+    async def _claim_entries(self, entries: Sequence[Entry | InFlight], idle_ms: int) -> set[str]:
+        """Claim these entries to ourselves with this idle time; the ids another worker owns now."""
+        by_lane: dict[str, list[str]] = {}
+        for e in entries:
+            by_lane.setdefault(e.lane, []).append(e.entry_id)
+        lost: set[str] = set()
+        for lane, ids in by_lane.items():
             ks, args = scripts.claim_own_call(
-                self.model,
-                lane,
-                group=self.group,
-                consumer=self.consumer,
-                idle_ms=idle_ms,
-                entry_ids=[r.entry_id for r in group],
+                self.model, lane, group=self.group, consumer=self.consumer, idle_ms=idle_ms, entry_ids=ids
             )
-            lost = scripts.read_claim_own(await self._claim(keys=ks, args=args))
-            for rec in group:
+            lost |= scripts.read_claim_own(await self._claim(keys=ks, args=args))
+        return lost
+
+    async def _claim_own(self, recs: list[InFlight], idle_ms: int) -> None:
+        if not recs:
+            return
+        lost = await self._claim_entries(recs, idle_ms)
+        if lost:
+            for rec in recs:
                 # A request retired meanwhile (its final event acked the entry) is not lost.
                 if rec.entry_id in lost and rec.live and self.inflight.get(rec.request_id) is rec:
                     self.log.warning("entry owned by another worker now", request_id=rec.request_id)

@@ -78,7 +78,14 @@ class WorkerService:
             metrics=self.metrics,
             **common,
         )
-        self.cancels = Cancels(self.redis, self.inflight, abort=self.engine.abort_request, **common)
+        self.cancels = Cancels(
+            self.redis,
+            self.inflight,
+            abort=self.engine.abort_request,
+            held=lambda: self.intake.held_request_ids(),
+            on_held_cancel=lambda rid: self._spawn(self.intake.cancel_held(rid)),
+            **common,
+        )
         self.admission = Admission(
             self.redis,
             engine,
@@ -101,6 +108,7 @@ class WorkerService:
             reclaim_interval_s=cfg.reclaim_interval_s,
             metrics=self.metrics,
             block_ms=intake_block_ms,
+            window=cfg.fair_share_window if cfg.fair_share_window is not None else lim.max_num_seqs // 4,
             **common,
         )
         hooks = PublisherHooks(
@@ -120,7 +128,14 @@ class WorkerService:
             tracer=self.tracer,
             **common,
         )
-        self.ownership = Ownership(self.redis, self.inflight, on_lost=self._on_lost, **common)
+        self.ownership = Ownership(
+            self.redis,
+            self.inflight,
+            on_lost=self._on_lost,
+            held=self.intake.held_entries,
+            on_held_lost=self.intake.drop_held,
+            **common,
+        )
         self.heartbeat = Heartbeat(
             self.redis,
             engine,
@@ -283,6 +298,7 @@ class WorkerService:
             # so they follow the request already running instead of starting it again.
             await arq_worker.close()
         await sup.cancel("intake")  # stop pulling first
+        await self._hand_over_held()
         if not self.failed:
             await self._drain()
         await self._hand_over()
@@ -339,6 +355,18 @@ class WorkerService:
         deadline = time.monotonic() + self.config.drain_timeout
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+    async def _hand_over_held(self) -> None:
+        """Entries read for fair share and never admitted go back at once: another worker's next
+        claim takes them (as a dead worker's, one more delivery counted)."""
+        held = self.intake.release_held(set(self.inflight))
+        if not held:
+            return
+        self.log.info("handing over held entries", count=len(held))
+        try:
+            await self.ownership.hand_over_entries(held)
+        except REDIS_DOWN as e:
+            self.log.warning("held entries not handed over; reclaimed after the idle timeout", error=str(e))
 
     async def _hand_over(self) -> None:
         """Give what is still running to another worker: publish its tokens, release its entries."""
