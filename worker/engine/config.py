@@ -47,7 +47,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = _opt(
         0,
         "a prompt with more tokens than this to compute is long; no prompt chunk is longer "
-        "(0: 4%% of --max-model-len on CPU, where chunks were measured; no cap on GPU)",
+        "(0: 4%% of --max-model-len on CPU, at least 256, where chunks were measured; no cap on GPU)",
     )
     max_num_partial_prefills: int = _opt(1, "prompts that may be part-way through a chunked prefill at once")
     max_long_partial_prefills: int | None = _opt(

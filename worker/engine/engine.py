@@ -39,6 +39,8 @@ from worker.engine.structured import StructuredOutputManager
 from worker.engine.tool_calling import choose_tool_parser, read_chat_template
 from worker.models.loader import load_model, load_tokenizer
 
+MIN_CPU_CHUNK = 256  # smallest default prompt chunk on CPU, in tokens
+
 __all__ = ["EngineLimits", "EngineSnapshot", "LLMEngine", "PromptTooLong", "RequestError", "StepFailed"]
 
 
@@ -60,7 +62,10 @@ class LLMEngine(RequestLifecycle):
         budget = cfg.max_num_batched_tokens or (2048 if chunked else self.max_model_len)
         # Chunk sizing defaults measured on CPU (ops/bench serve --long-prompt-only); GPU keeps vLLM's.
         on_cpu = chunked and loaded.device.type == "cpu"
-        threshold = cfg.long_prefill_token_threshold or (max(1, self.max_model_len * 4 // 100) if on_cpu else 0)
+        # 4% of the context, but never chunks so small that a step is mostly overhead (a short
+        # --max-model-len once gave 7-token chunks and a 10x slower prefill).
+        cpu_threshold = max(MIN_CPU_CHUNK, self.max_model_len * 4 // 100)
+        threshold = cfg.long_prefill_token_threshold or (cpu_threshold if on_cpu else 0)
         long_budget = cfg.long_prefill_budget if cfg.long_prefill_budget is not None else (32 if on_cpu else 0)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
