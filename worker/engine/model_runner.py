@@ -82,7 +82,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids  # masked for rows still under min_tokens
-        self.vocab_size = self.model.lm_head.weight.shape[0]
+        self.vocab_size = self.model.config.vocab_size
         self.max_num_seqs = max_num_seqs
         self.uploader = Uploader(self.device)
         seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)

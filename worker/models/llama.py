@@ -18,6 +18,7 @@ from torch import nn
 import kernels
 from kernels import AttentionMetadata
 from kernels.fused import rms_norm_ref, rotate_ref
+from worker.models.cpu_linear import linear, pack
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         """`cos_sin`: this step's per-token tables (unfused), or the Rotary module itself with
         `positions` (fused)."""
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = linear(x, self.qkv_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -120,7 +121,7 @@ class Attention(nn.Module):
             q, k = rotate_ref(q, *cos_sin), rotate_ref(k, *cos_sin)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
-        return F.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return linear(o.reshape(t, self.q_size), self.o_proj)
 
 
 def _sliding_window(config, layer_idx: int) -> int | None:
@@ -149,11 +150,11 @@ class MLP(nn.Module):
         self.down_proj.weight = _param(config.hidden_size, self.intermediate, dtype=dtype)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight)
+        gate_up = linear(x, self.gate_up_proj)
         if fused:
-            return F.linear(kernels.silu_and_mul(gate_up), self.down_proj.weight)
+            return linear(kernels.silu_and_mul(gate_up), self.down_proj)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -235,7 +236,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight)
+        return linear(hidden, self.lm_head)
+
+    def pack_linears(self) -> None:
+        """Pack every projection for oneDNN (`worker.models.cpu_linear`); call once, after `load_weights`."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                pack(module)
+        pack(self.lm_head, keep_weight=self.tie_word_embeddings)
 
     # --- weights -----------------------------------------------------------------------------
 

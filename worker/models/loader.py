@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu import native_bf16
+from worker.models.cpu_linear import packing_enabled
 from worker.models.registry import model_class
 
 _DTYPES = {
@@ -132,6 +133,8 @@ def load_model(
     weights = _gguf_weights(path, torch_dtype) if gguf else _safetensors_weights(path)
     with torch.no_grad():
         net.load_weights(weights)
+        if packing_enabled(dev, torch_dtype):
+            net.pack_linears()
     net.eval()
     tok_path = tokenizer or str(path.parent if gguf else path)
     return LoadedModel(net, config, tok_path, gguf, torch_dtype, dev)

@@ -1,0 +1,65 @@
+"""CPU linear layers through oneDNN with weights packed once at load.
+
+`F.linear` on CPU calls MKL's GEMM, which on AMD processors runs a generic code path: on a 2-core
+AMD EPYC with AVX-512 a [32 x 576] x [576 x 3072] fp32 product ran 2.6x faster through oneDNN with
+the weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the
+same pair of ops inductor's CPU freezing pass emits), and bf16 products 1.1 to 1.9x faster. Results
+are fp32- (or bf16-) exact GEMMs; only the summation order differs from MKL's.
+
+Packing replaces a projection's weight with its packed copy (the plain weight's storage is freed, so
+weights are not held twice); the embedding table stays plain, and a tied LM head is packed as a copy.
+`PAGEDQ_ONEDNN_LINEAR=0` keeps `F.linear` (for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ENV = "PAGEDQ_ONEDNN_LINEAR"
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_available() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Pack on CPU for fp32 and bf16 unless PAGEDQ_ONEDNN_LINEAR=0. bf16 only with native bf16 (the
+    oneDNN reorder has no bf16 kernel to reorder for elsewhere)."""
+    if device.type != "cpu" or dtype not in _DTYPES or os.environ.get(ENV, "1") == "0":
+        return False
+    if not onednn_available():
+        return False
+    if dtype == torch.bfloat16:
+        from kernels.cpu import native_bf16
+
+        return native_bf16()
+    return True
+
+
+def pack(module: nn.Module, *, keep_weight: bool = False) -> None:
+    """Give `module` (an object with a 2-D `.weight`, optional `.bias`) a packed weight for `linear`."""
+    weight = module.weight
+    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    module.out_features = weight.shape[0]
+    if not keep_weight:  # the packed copy is the weight from now on
+        module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
+
+
+def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """`F.linear(x, module.weight, module.bias)`, through the packed weight when there is one."""
+    bias = getattr(module, "bias", None)
+    packed = getattr(module, "packed_weight", None)
+    if packed is None:
+        return F.linear(x, module.weight, bias)
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), module).view(*x.shape[:-1], module.out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
