@@ -57,7 +57,8 @@ def _offline_section(off: dict) -> list[str]:
     lines += [
         "",
         f"Hardware ceiling: a {c.get('matmul_size')}^3 matmul runs at {fmt(num(c.get('matmul_flops')) / 1e9, 1)} "
-        f"GFLOP/s ({off.get('dtype')}, {off.get('threads')} threads). pagedq does "
+        f"GFLOP/s ({off.get('dtype')}, {off.get('threads')} threads, {c.get('matmul_path') or 'F.linear'}). "
+        "pagedq does "
         f"{fmt(num(c.get('achieved_flops')) / 1e9, 1)} GFLOP/s of useful model work = **{pct(c.get('fraction'))}** "
         f"of it (FLOPs per token {fmt(num(c.get('flops_per_token')) / 1e6, 1)} M at mean context "
         f"{fmt(c.get('mean_context'), 0)}; the per-token formula x total tokens/s gives "
