@@ -1,0 +1,72 @@
+"""CPU linears through oneDNN packed weights (worker/models/cpu_linear.py): the same products as
+F.linear up to summation order, the plain weight freed, the switch respected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ops.bench import gemm_paths
+from worker.models import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="torch built without oneDNN")
+
+
+def _holder(n: int, k: int, bias: bool) -> nn.Module:
+    m = nn.Module()
+    m.weight = nn.Parameter(torch.randn(n, k), requires_grad=False)
+    m.bias = nn.Parameter(torch.randn(n), requires_grad=False) if bias else None
+    return m
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_packed_linear_matches_f_linear(bias, rows):
+    torch.manual_seed(rows)
+    mod = _holder(48, 40, bias)
+    w, b = mod.weight.clone(), None if mod.bias is None else mod.bias.clone()
+    x = torch.randn(rows, 40)
+    cpu_linear.pack(mod)
+    assert mod.weight.numel() == 0  # the packed copy is the only one left
+    torch.testing.assert_close(cpu_linear.linear(x, mod), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, rows, 40)  # leading dims are flattened and restored
+    torch.testing.assert_close(cpu_linear.linear(x3, mod), F.linear(x3, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_keep_weight_leaves_the_plain_weight():
+    mod = _holder(16, 8, False)
+    before = mod.weight.clone()
+    cpu_linear.pack(mod, keep_weight=True)
+    assert torch.equal(mod.weight, before)
+
+
+def test_switch_and_devices(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(cpu_linear.ENV, "1")
+    assert cpu_linear.packing_enabled(cpu, torch.float32)
+    assert not cpu_linear.packing_enabled(cpu, torch.float16)
+    assert not cpu_linear.packing_enabled(torch.device("cuda"), torch.float32)
+    monkeypatch.setenv(cpu_linear.ENV, "0")
+    assert not cpu_linear.packing_enabled(cpu, torch.float32)
+
+
+def test_loaded_model_packs_and_matches_unpacked(llama_dir, monkeypatch):
+    from worker.models.loader import load_model
+
+    monkeypatch.setenv(cpu_linear.ENV, "0")
+    plain = load_model(llama_dir, dtype="float32", device="cpu").model
+    monkeypatch.setenv(cpu_linear.ENV, "1")
+    packed = load_model(llama_dir, dtype="float32", device="cpu").model
+    layer = packed.layers[0]
+    assert getattr(layer.self_attn.qkv_proj, "packed_weight", None) is not None
+    assert getattr(plain.layers[0].self_attn.qkv_proj, "packed_weight", None) is None
+    hidden = torch.randn(7, plain.config.hidden_size)
+    torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_paths_bench_measures_both():
+    r = gemm_paths.measure(torch.float32, 3, 16, 8, reps=2)
+    assert set(r) == {"F.linear", "onednn"}
+    assert all(v["us"] > 0 and v["rel_err"] < 1e-5 for v in r.values())
