@@ -138,6 +138,7 @@ class BaselineWorker:
             )
             try:
                 r.zadd(keys.heartbeats(self.model_name), {self.consumer: now})
+                r.zadd(keys.models(), {self.model_name: now})  # the registry the SDK checks submits against
                 r.set(keys.worker_state(self.model_name, self.consumer), msgspec.json.encode(state), px=6000)
             except redis.RedisError:
                 pass

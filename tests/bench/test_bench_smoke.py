@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 import redis
@@ -121,6 +122,7 @@ def test_baseline_worker_speaks_the_protocol(llama_dir, redis_url):
     from ops.bench.hf_baselines import load_hf_model, run_single
     from ops.bench.workloads import BenchRequest
 
+    model_name = f"baseline-{uuid.uuid4().hex[:8]}"  # registered by this worker alone
     cmd = [
         sys.executable,
         "-m",
@@ -131,6 +133,8 @@ def test_baseline_worker_speaks_the_protocol(llama_dir, redis_url):
         redis_url,
         "--consumer",
         "b1",
+        "--model-name",
+        model_name,
         "--dtype",
         "float32",
         "--threads",
@@ -140,12 +144,13 @@ def test_baseline_worker_speaks_the_protocol(llama_dir, redis_url):
     r = redis.Redis.from_url(redis_url)
     try:
         deadline = time.monotonic() + 60
-        while not r.exists(keys.worker_state("default", "b1")):
+        while not r.exists(keys.worker_state(model_name, "b1")):
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, "baseline worker did not start"
             time.sleep(0.05)
         prompts = [[130, 200, 300, 400, 150], [140, 141, 142]]
-        with Client(redis_url) as client:
+        assert r.zscore(keys.models(), model_name)  # in the registry the SDK checks submits against
+        with Client(redis_url, model=model_name) as client:
             handles = [
                 client.submit(prompt_token_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True)
                 for p, n in zip(prompts, (12, 5))
@@ -162,8 +167,8 @@ def test_baseline_worker_speaks_the_protocol(llama_dir, redis_url):
         assert [e.seq for e in events] == list(range(len(events)))
         assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
         assert sum(len(e.token_ids) for e in events if isinstance(e, Tokens)) == 12
-        assert r.xlen(keys.lane_stream("default")) == 0  # acked and deleted
-        assert not r.xpending(keys.lane_stream("default"), keys.group("default"))["pending"]
+        assert r.xlen(keys.lane_stream(model_name)) == 0  # acked and deleted
+        assert not r.xpending(keys.lane_stream(model_name), keys.group(model_name))["pending"]
     finally:
         proc.terminate()
         proc.wait(30)
