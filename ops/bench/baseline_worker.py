@@ -7,17 +7,16 @@ static batching.
 It is a consumer of the same group on the same lane streams, decodes entries with the protocol's
 strict `decode_request`, and answers on the same response streams: `Started`, one `Tokens` event per
 token, then `Finished`, with contiguous `seq`. Each step's events go out in one MULTI, so a request's
-final event, the XACK and the XDEL of its entry are atomic. It heartbeats like a pagedq worker (so
-the SDK's queue stats see it).
+final event, the XACK and the XDEL of its entry are atomic. It heartbeats like a pagedq worker, model
+registry included (so the SDK accepts its requests and its queue stats see it).
 
 What makes it "before": it takes up to `--batch-size` queued requests, left-pads them into one batch
 and runs `generate` until the batch's longest request is done. A request that arrives meanwhile waits
 for the whole batch; a short request's slot idles until the longest one finishes.
 
-Scope: greedy decoding only (temperature 0; top-p/top-k are then moot), n=1, `max_tokens`,
-`ignore_eos`, `stop_token_ids`, deadlines, cancels. Other options (sampling, stop strings, penalties,
-logprobs) are refused with an `Error` event (code "unsupported"), never silently ignored. No crash
-recovery: entries of a dead baseline worker stay pending.
+Scope: greedy decoding only (temperature 0), n=1, `max_tokens`, `ignore_eos`, `stop_token_ids`, deadlines,
+cancels. Other options (sampling, stop strings, penalties, logprobs) are refused with an `Error` event (code
+"unsupported"), never silently ignored. No crash recovery: entries of a dead baseline worker stay pending.
 """
 
 from __future__ import annotations
@@ -138,7 +137,7 @@ class BaselineWorker:
             )
             try:
                 r.zadd(keys.heartbeats(self.model_name), {self.consumer: now})
-                r.zadd(keys.models(), {self.model_name: now})  # the registry the SDK checks submits against
+                r.zadd(keys.models(), {self.model_name: now})
                 r.set(keys.worker_state(self.model_name, self.consumer), msgspec.json.encode(state), px=6000)
             except redis.RedisError:
                 pass
