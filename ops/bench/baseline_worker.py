@@ -10,9 +10,8 @@ token, then `Finished`, with contiguous `seq`. Each step's events go out in one 
 final event, the XACK and the XDEL of its entry are atomic. It heartbeats like a pagedq worker, model
 registry included (so the SDK accepts its requests and its queue stats see it).
 
-What makes it "before": it takes up to `--batch-size` queued requests, left-pads them into one batch
-and runs `generate` until the batch's longest request is done. A request that arrives meanwhile waits
-for the whole batch; a short request's slot idles until the longest one finishes.
+What makes it "before": it takes up to `--batch-size` queued requests, left-pads them into one batch and
+runs `generate` until its longest request is done; a request arriving meanwhile waits for the whole batch.
 
 Scope: greedy decoding only (temperature 0), n=1, `max_tokens`, `ignore_eos`, `stop_token_ids`, deadlines,
 cancels. Other options (sampling, stop strings, penalties, logprobs) are refused with an `Error` event (code
