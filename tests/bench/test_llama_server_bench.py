@@ -141,21 +141,28 @@ def test_llama_server_is_opt_in():
 
 
 def test_without_a_binary_llama_server_is_unavailable(llama_dir, tmp_path, monkeypatch):
+    """Listed but not found: no numbers, a reason, and the other systems measured as ever."""
     empty, bin_dir = tmp_path / "llama.cpp", tmp_path / "bin"
     empty.mkdir()
     bin_dir.mkdir()
     (bin_dir / "redis-server").symlink_to(shutil.which("redis-server"))
     monkeypatch.setenv("PATH", str(bin_dir))  # redis-server, and no llama-server anywhere
     out = tmp_path / "results"
-    argv = ["serve", "--quick", "--model", str(llama_dir), "--dtype", "float32", "--systems", "llama-server"]
-    argv += ["--llama-cpp-dir", str(empty), "--rates", "1", "--no-progress", "--out", str(out)]
+    argv = ["serve", "--quick", "--model", str(llama_dir), "--dtype", "float32", "--systems", "pagedq,llama-server"]
+    argv += ["--requests", "4", "--serve-requests", "4", "--long-requests", "0", "--rates", "1"]
+    argv += ["--llama-cpp-dir", str(empty), "--threads", "1", "--no-progress", "--out", str(out)]
     assert cli.main(argv) == 0
     res = json.loads((out / "latest" / "serve.json").read_text())
-    entry = res["systems"]["llama-server"]
-    assert entry == {"unavailable": f"llama-server not in {empty}/build/bin nor on PATH"}
-    assert "saturation_rate_req_s" not in res
+    assert list(res["systems"]) == ["pagedq", "llama-server"]
+    assert res["systems"]["llama-server"] == {"unavailable": f"llama-server not in {empty}/build/bin nor on PATH"}
+    pq = res["systems"]["pagedq"]
+    assert [r["ok"] for r in pq["saturation"]["runs"]] == [4] and pq["saturation"]["req_s"] > 0
+    assert res["saturation_rate_req_s"] == pq["saturation"]["req_s"]
+    (point,) = pq["sweep"]
+    assert point["ok"] == 4 and point["rate_req_s"] == res["saturation_rate_req_s"]
     summary = (out / "latest" / "summary.md").read_text()
     assert "| llama-server | n/a | n/a | - | unavailable: llama-server not in" in summary
+    assert "| pagedq | 1x (" in summary and "llama-server |" not in summary.split("| pagedq | 1x (")[1]
 
 
 def _real_llama() -> tuple[str, Path] | None:
@@ -182,3 +189,24 @@ def test_real_llama_server_streams_every_token():
     assert [r.error for r in results] == [None] * 3
     assert all(r.ok and r.tokens == 6 and r.ttft > 0 for r in results)
     assert summarize(results, 60.0, 60.0)["ok"] == 3
+
+
+@pytest.mark.skipif(
+    _real_llama() is None, reason="needs llama-server (PATH or $PAGEDQ_LLAMA_CPP_DIR) and SmolLM2's f32 GGUF"
+)
+def test_real_llama_server_through_bench_serve(smollm2_dir, tmp_path):
+    binary, gguf = _real_llama()
+    out = tmp_path / "results"
+    argv = ["serve", "--model", str(smollm2_dir), "--dtype", "float32", "--systems", "llama-server"]
+    argv += ["--requests", "4", "--serve-requests", "3", "--long-requests", "0", "--rates", "1", "--threads", "1"]
+    argv += ["--llama-cpp-dir", str(Path(binary).parents[2]), "--no-progress", "--out", str(out)]
+    assert cli.main(argv) == 0
+    res = json.loads((out / "latest" / "serve.json").read_text())
+    entry = res["systems"]["llama-server"]
+    assert entry["gguf"] == str(gguf) and entry["slots"] == 4 and "error" not in entry
+    (sat,) = entry["saturation"]["runs"]
+    assert sat["ok"] == 4 and sat["errors"] == [] and res["saturation_rate_req_s"] == sat["req_s"] > 0
+    (point,) = entry["sweep"]
+    assert point["ok"] == 3 and point["ttft_s"]["p50"] > 0 and point["itl_s"]["p50"] > 0
+    summary = (out / "latest" / "summary.md").read_text()
+    assert "| llama-server | 1x (" in summary and "llama-server: llama.cpp's HTTP server" in summary
