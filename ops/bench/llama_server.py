@@ -14,10 +14,15 @@ is never an error and never a number.
 The server: `llama-server -m GGUF -np SLOTS -c SLOTS*CTX --cont-batching -t/-tb THREADS`, with one
 slot per request of the largest workload (capped at pagedq's max_num_seqs, 256 unless --engine-arg
 says otherwise), so every request runs at once as in pagedq, whose KV pool holds them all; CTX: the
-longest request + 16, rounded up to 256. Per-slot KV streams (--no-kv-unified), KV cache in the
-bench's dtype (-ctk/-ctv f32 or bf16; llama.cpp's default would be f16). Off, as pagedq's prefix
-caching is off in this benchmark: prompt caching (--no-cache-prompt, and `cache_prompt: false` per
-request) and the host-memory prompt cache (--cache-ram 0); --cache-reuse stays at its default 0.
+longest request + 16, rounded up to 256. Per-slot KV streams (--no-kv-unified). The KV cache keeps
+llama.cpp's default type, f16, as in the uniform bench (pagedq's is in --dtype): on this project's
+2-core bf16 machine, 24 requests of the `random` workload ran at 207 output tok/s with it and at 172
+with a bf16 cache (-ctk/-ctv bf16; one run each), so matching pagedq's KV dtype would handicap
+llama.cpp. Off, as pagedq's prefix caching is off in this benchmark: prompt caching
+(--no-cache-prompt, and `cache_prompt: false` per request) and the host-memory prompt cache
+(--cache-ram 0); --cache-reuse stays at its default 0. Sampling: llama.cpp's default sampler chain at
+temperature 0 (greedy); reduced to the temperature sampler alone it was slower (about 480 against
+650 tok/s, 64 short requests).
 
 The client: the SAME requests (token-id prompts, `/completion` with n_predict = max_tokens,
 ignore_eos, temperature 0, stream) over HTTP with the asyncio SSE client of gateway_proc.py, one
@@ -58,8 +63,7 @@ def slots_and_ctx(workloads: list[Workload], max_seqs: int = 256) -> tuple[int, 
     return slots, -(-(longest + 16) // CTX_PAD) * CTX_PAD
 
 
-def server_cmd(binary: str, gguf: Path, *, port: int, slots: int, ctx: int, threads: int, dtype: str) -> list[str]:
-    kv = GGUF_TYPES[dtype]
+def server_cmd(binary: str, gguf: Path, *, port: int, slots: int, ctx: int, threads: int) -> list[str]:
     return [
         binary,
         "-m",
@@ -78,10 +82,6 @@ def server_cmd(binary: str, gguf: Path, *, port: int, slots: int, ctx: int, thre
         str(threads),
         "-tb",
         str(threads),
-        "-ctk",
-        kv,
-        "-ctv",
-        kv,
         "--no-cache-prompt",
         "--cache-ram",
         "0",
@@ -118,12 +118,12 @@ def locate(args: argparse.Namespace, model_dir: Path) -> tuple[str, Path] | str:
 class LlamaServer:
     """A llama-server process, ready once GET /health answers 200."""
 
-    def __init__(self, binary: str, gguf: Path, *, slots: int, ctx: int, threads: int, dtype: str) -> None:
+    def __init__(self, binary: str, gguf: Path, *, slots: int, ctx: int, threads: int) -> None:
         from worker.service.redis_proc import free_port
 
         self.port = free_port()
         self.threads = threads
-        self.cmd = server_cmd(binary, gguf, port=self.port, slots=slots, ctx=ctx, threads=threads, dtype=dtype)
+        self.cmd = server_cmd(binary, gguf, port=self.port, slots=slots, ctx=ctx, threads=threads)
         self.log_path = Path(tempfile.mkstemp(prefix="pagedq-bench-llama-server-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
 

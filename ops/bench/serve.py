@@ -249,7 +249,7 @@ def _llama_system(
         return
     binary, gguf = found
     slots, ctx = llama_server.slots_and_ctx([wl, poisson_wl], args.engine.get("max_num_seqs", 256))
-    srv = llama_server.LlamaServer(binary, gguf, slots=slots, ctx=ctx, threads=args.threads, dtype=args.dtype)
+    srv = llama_server.LlamaServer(binary, gguf, slots=slots, ctx=ctx, threads=args.threads)
     entry.update(server_cmd=srv.cmd, gguf=str(gguf), slots=slots, ctx_per_slot=ctx)
     try:
         srv.start()

@@ -120,17 +120,14 @@ def test_server_command_and_slots():
     longest = max(r.total_tokens for r in wl.requests)
     assert slots == 64 and ctx % 256 == 0 and longest + 16 <= ctx < longest + 16 + 256
     assert llama_server.slots_and_ctx([wl], max_seqs=16)[0] == 16
-    cmd = llama_server.server_cmd(
-        "/x/llama-server", Path("/m.gguf"), port=1234, slots=4, ctx=512, threads=2, dtype="bfloat16"
-    )
+    cmd = llama_server.server_cmd("/x/llama-server", Path("/m.gguf"), port=1234, slots=4, ctx=512, threads=2)
     assert cmd[:3] == ["/x/llama-server", "-m", "/m.gguf"]
     flags = dict(itertools.pairwise(cmd))  # each option and the word after it
     assert flags["--port"] == "1234" and flags["-np"] == "4" and flags["-c"] == "2048"
-    assert flags["-t"] == flags["-tb"] == "2" and flags["-ctk"] == flags["-ctv"] == "bf16"
+    assert flags["-t"] == flags["-tb"] == "2"
     assert flags["--cache-ram"] == "0"
     assert {"--cont-batching", "--no-kv-unified", "--no-cache-prompt"} <= set(cmd)
-    f32 = llama_server.server_cmd("b", Path("m"), port=1, slots=1, ctx=256, threads=1, dtype="float32")
-    assert f32[f32.index("-ctk") + 1] == "f32"
+    assert "-ctk" not in cmd and "-ctv" not in cmd  # llama.cpp's default f16 KV cache
 
 
 def test_llama_server_is_opt_in():
@@ -180,7 +177,7 @@ def test_real_llama_server_streams_every_token():
     wl = make_workload("random", 3, seed=0, vocab_size=49152)
     reqs = [BenchRequest(r.prompt[:40], 6) for r in wl.requests]
     slots, ctx = llama_server.slots_and_ctx([Workload("x", 0, reqs)])
-    srv = llama_server.LlamaServer(binary, gguf, slots=slots, ctx=ctx, threads=1, dtype="float32")
+    srv = llama_server.LlamaServer(binary, gguf, slots=slots, ctx=ctx, threads=1)
     try:
         srv.start(timeout=120)
         results, _, _ = llama_server.run_load(srv.port, reqs, [0.0, 0.0, 0.2], timeout=120)
