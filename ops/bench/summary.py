@@ -99,8 +99,9 @@ def _serve_section(srv: dict) -> list[str]:
     llama = srv.get("systems", {}).get("llama-server", {})
     if llama.get("server_cmd"):
         lines += [
-            "llama-server: llama.cpp's HTTP server on a GGUF of the same weights in the same dtype, the same "
-            "requests streamed over HTTP (SSE), not through Redis; prompt caching off. Command: "
+            "llama-server: llama.cpp's HTTP server on a GGUF of the same weights in the same dtype (its KV "
+            "cache: llama.cpp's default f16), the same requests streamed over HTTP (SSE), not through Redis; "
+            "prompt caching off. Command: "
             f"`{' '.join(llama['server_cmd'][1:])}`.",
             "",
         ]
