@@ -21,7 +21,9 @@ import argparse
 import shlex
 import sys
 import time
+from pathlib import Path
 
+from ops.bench.common import kv_options as _kv
 from ops.bench.machine import machine_info
 from ops.bench.progress import Progress
 from ops.bench.results import save_result
@@ -36,26 +38,6 @@ def _csv(text: str) -> list[str]:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in _csv(text)]
-
-
-def _kv(items: list[str]) -> dict:
-    """k=v engine options (ints, floats, booleans parsed)."""
-    out: dict = {}
-    for item in items or []:
-        k, _, v = item.partition("=")
-        low = v.lower()
-        if low in ("true", "false"):
-            out[k.replace("-", "_")] = low == "true"
-            continue
-        for conv in (int, float):
-            try:
-                out[k.replace("-", "_")] = conv(v)
-                break
-            except ValueError:
-                continue
-        else:
-            out[k.replace("-", "_")] = v
-    return out
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -83,7 +65,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--systems",
         type=_csv,
         default=None,
-        help="offline: pagedq,hf-single,hf-static,hf-cb; serve: pagedq,pagedq-nochunk,hf-static",
+        help="offline: pagedq,hf-single,hf-static,hf-cb; serve: pagedq,pagedq-nochunk,hf-static "
+        "(default), llama-server (opt-in: named here, or --llama-cpp-dir without --systems)",
     )
     o.add_argument(
         "--single-requests",
@@ -128,6 +111,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="only the long-prompt run of the pagedq systems (no saturation, no Poisson sweep): "
         "tuning the chunking options; write it to its own --out",
     )
+    s.add_argument(
+        "--llama-cpp-dir",
+        type=Path,
+        default=None,
+        help="serve's llama-server system: a llama.cpp checkout (binary in build/bin, else PATH; its "
+        "convert_hf_to_gguf.py makes the GGUF once); without --systems it adds llama-server to the default list",
+    )
+    s.add_argument("--gguf", default=None, help="llama-server's model (default: the pagedq cache's GGUF of --dtype)")
     s.add_argument("--via", choices=("sdk", "gateway"), default="sdk", help="gateway: the HTTP gateway vs the SDK")
     s.add_argument("--gateway-streams", type=int, default=1000, help="--via gateway: SSE streams held at once")
 
@@ -190,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="bench", metavar="COMMAND", required=True)
     helps = {
         "offline": "throughput: pagedq LLM vs transformers (one at a time, static, continuous batching)",
-        "serve": "latency and throughput through Redis: pagedq (chunked prefill on/off) vs a static-batching worker",
+        "serve": "latency and throughput through Redis: pagedq (chunked prefill on/off) vs a static-batching "
+        "worker (and llama.cpp's llama-server over HTTP, opt-in)",
         "memory": "KV slots holding live tokens; requests that fit a KV budget, paged vs contiguous",
         "prefix": "shared-prefix workload with prefix caching on and off",
         "all": "offline, serve, memory, prefix, then the summary",
@@ -229,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args.model_dir = resolve_model(args.model, args.quick)
     if args.systems is None:
-        args.offline_systems, args.serve_systems = list(offline.SYSTEMS), list(serve.SYSTEMS)
+        args.offline_systems = list(offline.SYSTEMS)
     else:
         args.offline_systems = [s for s in args.systems if s in offline.SYSTEMS]
-        args.serve_systems = [s for s in args.systems if s in serve.SYSTEMS]
+    args.serve_systems = serve_systems(args.systems, args.llama_cpp_dir)
     todo = ["offline", "serve", "memory", "prefix"] if args.bench == "all" else [args.bench]
     modules = {"offline": offline, "serve": serve, "memory": memory, "prefix": prefix}
     units = sum(modules[n].plan_units(_view(args, n)) for n in todo)
@@ -258,6 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     print(write_summary(args.out, command=command))
     print(f"\n(total {time.monotonic() - t_all:.0f}s)", file=sys.stderr)
     return 0
+
+
+def serve_systems(listed: list[str] | None, llama_cpp_dir: Path | None) -> list[str]:
+    """The serving benchmark's systems: those --systems lists, in its order, else the default ones, plus
+    the opt-in llama-server when --llama-cpp-dir is given (never merely because a binary is on PATH)."""
+    from ops.bench.serve import OPTIONAL, SYSTEMS
+
+    if listed is not None:
+        return [s for s in listed if s in SYSTEMS + OPTIONAL]
+    return list(SYSTEMS) + (list(OPTIONAL) if llama_cpp_dir is not None else [])
 
 
 def _view(args: argparse.Namespace, name: str) -> argparse.Namespace:

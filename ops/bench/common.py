@@ -89,6 +89,26 @@ def kv_blocks_for(workload: Workload, max_model_len: int) -> int:
     return max(need, math.ceil(max_model_len / BLOCK_SIZE))
 
 
+def kv_options(items: list[str]) -> dict:
+    """k=v engine options (ints, floats, booleans parsed), e.g. of --engine-arg."""
+    out: dict = {}
+    for item in items or []:
+        k, _, v = item.partition("=")
+        low = v.lower()
+        if low in ("true", "false"):
+            out[k.replace("-", "_")] = low == "true"
+            continue
+        for conv in (int, float):
+            try:
+                out[k.replace("-", "_")] = conv(v)
+                break
+            except ValueError:
+                continue
+        else:
+            out[k.replace("-", "_")] = v
+    return out
+
+
 # --- subprocesses ----------------------------------------------------------------------------------
 
 

@@ -20,7 +20,11 @@ def _plt():
 def plot_throughput(res: dict[str, dict], path: Path) -> bool:
     off, srv = res.get("offline", {}), res.get("serve", {})
     bars = [(s, num(v.get("out_tok_s"))) for s, v in off.get("systems", {}).items()]
-    serve_bars = [(s, num(v.get("saturation", {}).get("out_tok_s"))) for s, v in srv.get("systems", {}).items()]
+    serve_bars = [
+        (s, num(v.get("saturation", {}).get("out_tok_s")))
+        for s, v in srv.get("systems", {}).items()
+        if not v.get("unavailable")  # a system not run gets no bar, not a zero
+    ]
     if not bars and not serve_bars:
         return False
     plt = _plt()

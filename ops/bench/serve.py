@@ -6,22 +6,27 @@ Systems (each its own worker process and key namespace, same model, dtype, threa
                     --long-prefill-token-threshold; --engine-arg any other option)
     pagedq-nochunk  `pagedq worker --no-enable-chunked-prefill`: prefill-only and decode-only steps
     hf-static       ops/bench/baseline_worker.py: the same protocol, transformers static batches of 16
+    llama-server    opt-in (--systems names it, or --llama-cpp-dir without --systems): llama.cpp's HTTP
+                    server on a GGUF of the same weights and dtype, the same requests streamed over HTTP,
+                    not through Redis (ops/bench/llama_server.py); unavailable without its binary
 
 Per system: (1) saturation: the whole `random` workload submitted at once (pagedq: repeated, median);
 its requests/s is the saturation rate of the first system, and the Poisson rates are fractions of
 it, the same absolute rates for every system; (2) one run per rate with Poisson arrivals;
-(3) pagedq systems: the `long-prompt` workload's short chats running together, alone and then with
+(3) pagedq systems only: the `long-prompt` workload's short chats running together, alone and then with
 its long prompts arriving while they decode: the inter-token latency of the running short requests
 (`long_prompt_run`). `--long-prompt-only` runs (3) alone.
 
-The client (asyncio, `producer_sdk.AsyncClient`) records when each streamed chunk arrives. TTFT:
+The client (asyncio, `producer_sdk.AsyncClient`; llama-server's: an HTTP SSE one) records when each
+streamed chunk arrives. TTFT:
 submit to first token. Inter-token latency (ITL): the gaps between chunks of a request (vLLM's
 convention; a chunk may carry several tokens when the worker merged steps). TPOT: (e2e - TTFT) /
 (tokens - 1). Goodput: requests/s that meet the SLO (TTFT <= --slo-ttft and TPOT <= --slo-tpot).
-The worker's /metrics are scraped during the saturation run (KV usage and waste, for the memory
+The pagedq workers' /metrics are scraped during the saturation run (KV usage and waste, for the memory
 benchmark).
 
-Threads: both workers get `--threads`, and OMP_NUM_THREADS / MKL_NUM_THREADS in their environment.
+Threads: every worker (and llama-server) gets `--threads`, and OMP_NUM_THREADS / MKL_NUM_THREADS in
+its environment.
 """
 
 from __future__ import annotations
@@ -29,16 +34,18 @@ from __future__ import annotations
 import argparse
 import math
 import uuid
+from collections.abc import Callable
 
-from ops.bench import gateway_load
+from ops.bench import gateway_load, llama_server
 from ops.bench.common import kv_blocks_for, model_info
 from ops.bench.progress import Progress
 from ops.bench.results import load_latest
-from ops.bench.serving import Worker, run_load, summarize, worker_engine
+from ops.bench.serving import ReqResult, Worker, run_load, summarize, worker_engine
 from ops.bench.stats import dist, median
 from ops.bench.workloads import Workload, make_workload, poisson_arrivals, warmup_requests
 
-SYSTEMS = ("pagedq", "pagedq-nochunk", "hf-static")
+SYSTEMS = ("pagedq", "pagedq-nochunk", "hf-static")  # the default list
+OPTIONAL = (llama_server.SYSTEM,)  # run only when asked for (cli.serve_systems)
 
 
 # --- the long-prompt experiment ------------------------------------------------------------------
@@ -145,15 +152,18 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
         "rate_fractions": args.rates,
         "systems": {},
     }
-    sat_rate = None
     with RedisProcess() as server:
         for system in systems_run(args):
+            entry: dict = {}
+            out["systems"][system] = entry
+            if system == llama_server.SYSTEM:
+                _llama_system(entry, out, args, progress, wl, poisson_wl)
+                continue
             ns = f"bench-{system}-{uuid.uuid4().hex[:6]}"
             engine = worker_engine(system, args)
             progress.start(f"serve {system}: starting worker")
             worker = Worker(system, args, server.url, ns, kv_blocks=kv_blocks, engine=engine)
-            entry: dict = {"worker_cmd": worker.cmd[2:], "engine": engine}
-            out["systems"][system] = entry
+            entry.update(worker_cmd=worker.cmd[2:], engine=engine)
             try:
                 worker.start()
                 warm = warmup_requests(vocab)
@@ -164,36 +174,11 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
                     entry["long_prompt"] = long_prompt_run(server.url, ns, long_wl, args)
                     progress.done(2, note=f"ITL p99 x{entry['long_prompt']['p99_ratio_during']:.1f}")
                     continue
-                sat_runs = []
-                for rep in range(sat_repeats(system, args)):
-                    progress.start(f"serve {system}: saturation {rep + 1}")
-                    sample = worker if system.startswith("pagedq") and rep == 0 else None
-                    res, _, samples = run_load(
-                        server.url, ns, wl.requests, [0.0] * len(wl), timeout=args.child_timeout, sample=sample
-                    )
-                    summary = summarize(res, args.slo_ttft, args.slo_tpot)
-                    if samples:
-                        entry["metrics_samples"] = samples
-                    sat_runs.append(summary)
-                    progress.done(note=f"{system} {summary['out_tok_s']:.1f} tok/s")
-                entry["saturation"] = {
-                    "runs": sat_runs,
-                    "out_tok_s": median(s["out_tok_s"] for s in sat_runs),
-                    "total_tok_s": median(s["total_tok_s"] for s in sat_runs),
-                    "req_s": median(s["req_s"] for s in sat_runs),
-                }
-                if sat_rate is None:
-                    sat_rate = entry["saturation"]["req_s"]
-                    out["saturation_rate_req_s"] = sat_rate
-                entry["sweep"] = []
-                for frac in args.rates:
-                    rate = frac * sat_rate
-                    progress.start(f"serve {system}: {frac:g}x ({rate:.2f} req/s)")
-                    arrivals = poisson_arrivals(len(poisson_wl), rate, args.seed)
-                    res, _, _ = run_load(server.url, ns, poisson_wl.requests, arrivals, timeout=args.child_timeout)
-                    summary = summarize(res, args.slo_ttft, args.slo_tpot, keep_samples=True)
-                    entry["sweep"].append({"fraction": frac, "rate_req_s": rate, **summary})
-                    progress.done(note=f"p50 TTFT {summary['ttft_s']['p50']:.2f}s")
+
+                def load(reqs, arrivals, sample=None, ns=ns):
+                    return run_load(server.url, ns, reqs, arrivals, timeout=args.child_timeout, sample=sample)
+
+                _measure(system, entry, out, load, worker, args, progress, wl, poisson_wl)
                 if system.startswith("pagedq") and args.long_requests:
                     progress.start(f"serve {system}: long prompts")
                     entry["long_prompt"] = long_prompt_run(server.url, ns, long_wl, args)
@@ -205,6 +190,82 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
                 worker.stop()
     out["offline_ref"] = _offline_ref(out, args, context or {})
     return out
+
+
+def _measure(
+    system: str,
+    entry: dict,
+    out: dict,
+    load: Callable[..., tuple[list[ReqResult], float, list[dict]]],
+    sampled: Worker | None,
+    args: argparse.Namespace,
+    progress: Progress,
+    wl: Workload,
+    poisson_wl: Workload,
+) -> None:
+    """Saturation (repeated for pagedq, median) and the Poisson sweep of one system, into `entry`. The
+    first system measured sets the saturation rate the sweep's fractions are of."""
+    sat_runs = []
+    for rep in range(sat_repeats(system, args)):
+        progress.start(f"serve {system}: saturation {rep + 1}")
+        sample = sampled if system.startswith("pagedq") and rep == 0 else None
+        res, _, samples = load(wl.requests, [0.0] * len(wl), sample)
+        summary = summarize(res, args.slo_ttft, args.slo_tpot)
+        if samples:
+            entry["metrics_samples"] = samples
+        sat_runs.append(summary)
+        progress.done(note=f"{system} {summary['out_tok_s']:.1f} tok/s")
+    entry["saturation"] = {
+        "runs": sat_runs,
+        "out_tok_s": median(s["out_tok_s"] for s in sat_runs),
+        "total_tok_s": median(s["total_tok_s"] for s in sat_runs),
+        "req_s": median(s["req_s"] for s in sat_runs),
+    }
+    if out.get("saturation_rate_req_s") is None:
+        out["saturation_rate_req_s"] = entry["saturation"]["req_s"]
+    sat_rate = out["saturation_rate_req_s"]
+    entry["sweep"] = []
+    for frac in args.rates:
+        rate = frac * sat_rate
+        progress.start(f"serve {system}: {frac:g}x ({rate:.2f} req/s)")
+        arrivals = poisson_arrivals(len(poisson_wl), rate, args.seed)
+        res, _, _ = load(poisson_wl.requests, arrivals)
+        summary = summarize(res, args.slo_ttft, args.slo_tpot, keep_samples=True)
+        entry["sweep"].append({"fraction": frac, "rate_req_s": rate, **summary})
+        progress.done(note=f"p50 TTFT {summary['ttft_s']['p50']:.2f}s")
+
+
+def _llama_system(
+    entry: dict, out: dict, args: argparse.Namespace, progress: Progress, wl: Workload, poisson_wl: Workload
+) -> None:
+    """llama-server: the same saturation and sweep over HTTP; 'unavailable' (no numbers) without it."""
+    units = 1 + sat_repeats(llama_server.SYSTEM, args) + len(args.rates)
+    progress.start("serve llama-server: starting")
+    found = llama_server.locate(args, args.model_dir)
+    if isinstance(found, str):
+        entry["unavailable"] = found
+        progress.write(f"[serve] llama-server unavailable: {found}")
+        progress.done(units)
+        return
+    binary, gguf = found
+    slots, ctx = llama_server.slots_and_ctx([wl, poisson_wl], args.engine.get("max_num_seqs", 256))
+    srv = llama_server.LlamaServer(binary, gguf, slots=slots, ctx=ctx, threads=args.threads)
+    entry.update(server_cmd=srv.cmd, gguf=str(gguf), slots=slots, ctx_per_slot=ctx)
+    try:
+        srv.start()
+        warm = warmup_requests(out["model"]["prompt_vocab"])
+        llama_server.run_load(srv.port, warm, [0.0] * len(warm), timeout=args.child_timeout)
+        progress.done()
+
+        def load(reqs, arrivals, sample=None):
+            return llama_server.run_load(srv.port, reqs, arrivals, timeout=args.child_timeout)
+
+        _measure(llama_server.SYSTEM, entry, out, load, None, args, progress, wl, poisson_wl)
+    except Exception as e:
+        entry["error"] = f"{type(e).__name__}: {e}"
+        progress.write(f"[serve] llama-server failed: {entry['error'].splitlines()[0]}")
+    finally:
+        srv.stop()
 
 
 def _offline_ref(out: dict, args: argparse.Namespace, context: dict) -> dict:

@@ -93,8 +93,18 @@ def _serve_section(srv: dict) -> list[str]:
     for s, v in srv.get("systems", {}).items():
         sat = v.get("saturation", {})
         vs = pct(ref.get("ratio")) if s == "pagedq" and ref.get("available") else "-"
-        rows.append([s, fmt(sat.get("out_tok_s"), 1), fmt(sat.get("req_s"), 3), vs, v.get("error", "")[:80]])
+        note = v.get("error") or (f"unavailable: {v['unavailable']}" if v.get("unavailable") else "")
+        rows.append([s, fmt(sat.get("out_tok_s"), 1), fmt(sat.get("req_s"), 3), vs, note[:80]])
     lines += ["", *table(["system", "output tok/s at saturation", "req/s", "vs pagedq offline", ""], rows), ""]
+    llama = srv.get("systems", {}).get("llama-server", {})
+    if llama.get("server_cmd"):
+        lines += [
+            "llama-server: llama.cpp's HTTP server on a GGUF of the same weights in the same dtype (its KV "
+            "cache: llama.cpp's default f16), the same requests streamed over HTTP (SSE), not through Redis; "
+            "prompt caching off. Command: "
+            f"`{' '.join(llama['server_cmd'][1:])}`.",
+            "",
+        ]
     rows = []
     for s, v in srv.get("systems", {}).items():
         for r in v.get("sweep", []):

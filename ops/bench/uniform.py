@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops.bench.common import child_entry, child_env, resolve_model, run_child
+from ops.bench.common import child_entry, child_env, kv_options, resolve_model, run_child
 from ops.bench.machine import machine_info
 from ops.bench.results import save_result
 
@@ -111,11 +111,16 @@ def find_binary(name: str, llama_dir: Path | None) -> str | None:
     return shutil.which(name)
 
 
-def convert_gguf(model_dir: Path, dtype: str, llama_dir: Path) -> Path:
-    """The model as a GGUF of `dtype`, converted once by llama.cpp's own script into the pagedq cache."""
+def cached_gguf(model_dir: Path, dtype: str) -> Path:
+    """Where `convert_gguf` puts the model as a GGUF of `dtype` (it may not exist yet)."""
     from worker.models.prepare import cache_root
 
-    out = cache_root().parent / "gguf" / f"{model_dir.name}-{GGUF_TYPES[dtype]}.gguf"
+    return cache_root().parent / "gguf" / f"{model_dir.name}-{GGUF_TYPES[dtype]}.gguf"
+
+
+def convert_gguf(model_dir: Path, dtype: str, llama_dir: Path) -> Path:
+    """The model as a GGUF of `dtype`, converted once by llama.cpp's own script into the pagedq cache."""
+    out = cached_gguf(model_dir, dtype)
     if out.exists():
         return out
     script = llama_dir / "convert_hf_to_gguf.py"
@@ -220,8 +225,6 @@ def _dtypes(arg: str | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ops.bench.cli import _kv
-
     args = build_parser().parse_args(argv)
     model_dir = resolve_model(args.model)
     dtypes = _dtypes(args.dtypes)
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     "gen_len": args.gen_len,
                     "threads": args.threads,
                     "seed": args.seed,
-                    "engine": _kv(args.engine_arg),
+                    "engine": kv_options(args.engine_arg),
                 }
                 rows.append(run_child(spec, Path(tmp), args.timeout, MODULE))
                 print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
