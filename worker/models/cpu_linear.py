@@ -1,10 +1,10 @@
 """CPU linear layers through oneDNN with weights packed once at load.
 
-`F.linear` on CPU calls MKL's GEMM, which on AMD processors runs a generic code path: on a 2-core
-AMD EPYC with AVX-512 a [32 x 576] x [576 x 3072] fp32 product ran 2.6x faster through oneDNN with
-the weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the
-same pair of ops inductor's CPU freezing pass emits), and bf16 products 1.1 to 1.9x faster. Results
-are fp32- (or bf16-) exact GEMMs; only the summation order differs from MKL's.
+`F.linear` on CPU calls MKL's GEMM. On a 2-core AMD EPYC with AVX-512 a [32 x 576] x [576 x 3072] fp32
+product ran 2.6x faster through oneDNN with the weight reordered once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, the same pair of ops inductor's CPU freezing pass emits),
+and bf16 products up to 1.9x faster (`python -m ops.bench.gemm_paths`). Both are exact GEMMs in their
+dtype; only the summation order differs.
 
 Packing replaces a projection's weight with its packed copy (the plain weight's storage is freed, so
 weights are not held twice); the embedding table stays plain, and a tied LM head is packed as a copy.
