@@ -70,3 +70,12 @@ def test_gemm_paths_bench_measures_both():
     r = gemm_paths.measure(torch.float32, 3, 16, 8, reps=2)
     assert set(r) == {"F.linear", "onednn"}
     assert all(v["us"] > 0 and v["rel_err"] < 1e-5 for v in r.values())
+
+
+def test_gemm_caches_are_bounded_for_the_process():
+    """Each new step row count compiles new GEMMs; the caches holding them must stay small (a soak
+    grew by 220 MiB with the defaults)."""
+    import os
+
+    assert int(os.environ["LRU_CACHE_CAPACITY"]) <= 64
+    assert int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) <= 64
