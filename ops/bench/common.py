@@ -112,6 +112,19 @@ def kv_options(items: list[str]) -> dict:
 # --- subprocesses ----------------------------------------------------------------------------------
 
 
+def stop_process(proc: subprocess.Popen | None, log=None) -> None:
+    """SIGTERM a measured server process, SIGKILL it after 30 s, and close its log file."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if log is not None:
+        log.close()
+
+
 def child_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ops.bench.common import REPO, child_env
+from ops.bench.common import REPO, child_env, stop_process
 
 # --- the gateway process -----------------------------------------------------------------------------
 
@@ -58,15 +58,7 @@ class GatewayProcess:
         return math.nan
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if hasattr(self, "_log"):
-            self._log.close()
+        stop_process(self.proc, getattr(self, "_log", None))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

@@ -43,7 +43,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ops.bench.common import REPO, child_env
+from ops.bench.common import REPO, child_env, stop_process
 from ops.bench.gateway_proc import SSEStream
 from ops.bench.serving import ReqResult
 from ops.bench.uniform import GGUF_TYPES, cached_gguf, convert_gguf, find_binary
@@ -147,15 +147,7 @@ class LlamaServer:
         raise RuntimeError(f"llama-server not ready within {timeout:.0f}s:\n{self.log()}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if hasattr(self, "_log"):
-            self._log.close()
+        stop_process(self.proc, getattr(self, "_log", None))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
