@@ -19,7 +19,8 @@ from producer_sdk._core import (
 )
 from producer_sdk._stream import Backoff, Follower, outcome
 from producer_sdk.constants import DEFAULT_TENANT
-from producer_sdk.contract import scripts
+from producer_sdk.contract import scripts, steps
+from producer_sdk.contract.cluster import decodes_responses, socket_timeout
 from producer_sdk.contract.connection import client_options, redis_from_url
 from producer_sdk.errors import (
     ModelNotFound,
@@ -30,7 +31,7 @@ from producer_sdk.protocol import (
     Usage,
 )
 from producer_sdk.results import Completion
-from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_tenant
+from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_model_name, validate_tenant
 
 # --- served models --------------------------------------------------------------------------------
 
@@ -104,15 +105,14 @@ def redis_kwargs(connect_timeout: float | None, extra: dict[str, Any], *, asynci
 def fit_block_ms(block_ms: int, client: Any) -> int:
     """XREAD BLOCK must end before redis-py's `socket_timeout`, or every idle wait would look
     like a broken connection: keep it to half the timeout."""
-    timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+    timeout = socket_timeout(client)
     if timeout:
         return max(1, min(int(block_ms), int(timeout * 500)))
     return max(1, int(block_ms))
 
 
 def check_redis_instance(client: Any) -> None:
-    pool = getattr(client, "connection_pool", None)
-    if pool is not None and pool.connection_kwargs.get("decode_responses"):
+    if decodes_responses(client):
         raise ValueError("producer_sdk needs a Redis client with decode_responses=False")
 
 
@@ -162,6 +162,7 @@ class HandleState:
     def _follower(self, opts: ClientOptions, timeout: float | None) -> Follower:
         return Follower(
             self.request_id,
+            model=self.model,
             prepared=self.prepared,
             timeout=timeout,
             block_ms=opts.block_ms,
@@ -217,7 +218,7 @@ class ClientBase:
         propagate_trace: bool = True,
         **redis_options: Any,
     ) -> None:
-        tenant = validate_tenant(tenant)
+        tenant, model = validate_tenant(tenant), validate_model_name(model)
         if isinstance(redis_url, str):
             options = redis_kwargs(connect_timeout, redis_options, asyncio=self._asyncio)
             self._redis = redis_from_url(redis_url, asyncio=self._asyncio, **options)
@@ -241,7 +242,6 @@ class ClientBase:
             limits=limits,
             propagate_trace=propagate_trace,
         )
-        self._script = self._redis.register_script(scripts.ENQUEUE)
         self._models = ModelRegistryView()
 
     @property
@@ -270,8 +270,9 @@ class ClientBase:
     def _prepare_many(self, items: Any, common: dict[str, Any]) -> list[Prepared]:
         return prepare_many(items, common, self._opts.limits, self._opts.propagate_trace, self._opts.tenant)
 
-    def _enqueue_args(self, p: Prepared) -> tuple[list[str], list[Any]]:
-        return enqueue_keys_args(p, self.model, self._opts.max_queue_len, self._opts.result_ttl_s)
+    def _enqueue_call(self, p: Prepared, quotas: dict[str, scripts.Quota]) -> steps.Call:
+        ks, args = enqueue_keys_args(p, self.model, self._opts.max_queue_len, self._opts.result_ttl_s, quotas[p.tenant])
+        return steps.ENQUEUE, ks, args
 
     def _new_handle(self, p: Prepared, res: EnqueueResult) -> Any:
         return self._handle_class(self, p.request_id, prepared=p, duplicate=res.duplicate, entry_id=res.entry_id)

@@ -188,8 +188,22 @@ def split_submit_item(item: str | Mapping[str, Any]) -> tuple[tuple, dict[str, A
 # --- enqueue --------------------------------------------------------------------------------------
 
 
-def enqueue_keys_args(p: Prepared, model: str, max_queue_len: int | None, ttl_s: float) -> tuple[list[str], list[Any]]:
-    return scripts.enqueue_call(model, p.lane, p.request_id, p.payload, max_queue_len, int(ttl_s * 1000), p.tenant)
+def enqueue_keys_args(
+    p: Prepared, model: str, max_queue_len: int | None, ttl_s: float, quota: scripts.Quota
+) -> tuple[list[str], list[Any]]:
+    return scripts.enqueue_call(
+        model, p.lane, p.request_id, p.payload, max_queue_len, int(ttl_s * 1000), p.tenant, quota
+    )
+
+
+def queue_quota_reads(pipe: Any, tenants: Sequence[str]) -> None:
+    """Read each tenant's quota (one HMGET each): the enqueue step applies what was read."""
+    for tenant in tenants:
+        pipe.hmget(keys.tenant_quota(tenant), list(scripts.QUOTA_FIELDS))
+
+
+def read_quotas(tenants: Sequence[str], replies: Sequence[Any]) -> dict[str, scripts.Quota]:
+    return {t: scripts.read_quota(r) for t, r in zip(tenants, replies, strict=True)}
 
 
 def _s(x: Any) -> str:
@@ -215,12 +229,15 @@ def parse_enqueue_reply(reply: Any, p: Prepared) -> EnqueueResult:
     return EnqueueResult(r.status == "duplicate", r.entry_id)
 
 
-def queue_cancel(pipe: Any, model: str, request_id: str, ttl_s: float) -> None:
-    """Queue a cancel on a pipeline: the flag (read at intake and between steps), then the
-    notification (for the worker that owns the request now)."""
+def cancel_commands(model: str, request_id: str, ttl_s: float) -> list[tuple[Any, ...]]:
+    """The two commands of a cancel, in order: the flag (read at intake and between steps), then the
+    notification (for the worker that owns the request now). Sent one after the other, not in one
+    pipeline: a cluster pipeline takes no PUBLISH."""
     msg = encode_control(ControlMessage(type="cancel", request_id=request_id))
-    pipe.set(keys.cancel_flag(request_id), 1, ex=max(1, int(ttl_s)))
-    pipe.publish(keys.control_channel(model), msg)
+    return [
+        ("SET", keys.cancel_flag(request_id), 1, "EX", max(1, int(ttl_s))),
+        ("PUBLISH", keys.control_channel(model), msg),
+    ]
 
 
 def queue_liveness(pipe: Any, f: Follower) -> None:

@@ -205,6 +205,7 @@ class Follower:
         self,
         request_id: str,
         *,
+        model: str,
         prepared: Prepared | None,
         timeout: float | None,
         block_ms: int,
@@ -215,7 +216,7 @@ class Follower:
     ) -> None:
         self.request_id = request_id
         self.key = keys.response_stream(request_id)
-        self.marker = keys.submitted_marker(request_id)
+        self.marker = keys.submitted_marker(model, request_id)
         self.prepared = prepared
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout

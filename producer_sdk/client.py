@@ -12,14 +12,14 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-import redis.exceptions as rex
 
 from producer_sdk import _core
 from producer_sdk._client_base import ClientBase, HandleState, ServedModel
 from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
-from producer_sdk.contract import keys
+from producer_sdk.contract import keys, scripts, steps
+from producer_sdk.contract.redis_errors import REDIS_ERRORS
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -103,7 +103,7 @@ class Handle(HandleState):
                     continue
                 streams, count, block = f.xread_args()
                 reply = await r.xread(streams, count=count, block=block)
-            except rex.RedisError as e:
+            except REDIS_ERRORS as e:
                 await asyncio.sleep(f.on_error(e))
                 continue
             yield f.on_reply(reply)
@@ -235,11 +235,8 @@ class AsyncClient(ClientBase):
             await self._check_model()
 
         async def run() -> list[Any]:
-            pipe = self._redis.pipeline(transaction=False)
-            for p in prepared:
-                ks, args = self._enqueue_args(p)
-                await self._script(keys=ks, args=args, client=pipe)
-            return await pipe.execute(raise_on_error=False)
+            quotas = await self._quotas({p.tenant for p in prepared})
+            return await steps.run_many(self._redis, [self._enqueue_call(p, quotas) for p in prepared])
 
         return self._many_handles(prepared, await self._retry(run) if prepared else [])
 
@@ -288,9 +285,8 @@ class AsyncClient(ClientBase):
         """Set the cancel flag and notify the workers; the request ends with finish_reason abort."""
 
         async def run() -> None:
-            pipe = self._redis.pipeline(transaction=False)
-            _core.queue_cancel(pipe, self.model, request_id, self._opts.result_ttl_s)
-            await pipe.execute()
+            for command in _core.cancel_commands(self.model, request_id, self._opts.result_ttl_s):
+                await self._redis.execute_command(*command)
 
         await self._retry(run, request_id)
 
@@ -326,12 +322,19 @@ class AsyncClient(ClientBase):
 
     async def _enqueue(self, p: Prepared) -> EnqueueResult:
         await self._check_model()
-        ks, args = self._enqueue_args(p)
 
         async def run() -> Any:
-            return await self._script(keys=ks, args=args)
+            step, ks, args = self._enqueue_call(p, await self._quotas({p.tenant}))
+            return await step.run(self._redis, ks, args)
 
         return _core.parse_enqueue_reply(await self._retry(run, p.request_id), p)
+
+    async def _quotas(self, tenants: set[str]) -> dict[str, scripts.Quota]:
+        """The tenants' quotas as they are now (read before each enqueue, which applies them)."""
+        names = sorted(tenants)
+        pipe = self._redis.pipeline(transaction=False)
+        _core.queue_quota_reads(pipe, names)
+        return _core.read_quotas(names, await pipe.execute())
 
     async def _retry(self, op: Callable[[], Awaitable[T]], request_id: str | None = None) -> T:
         """Run `op`, retrying on connection errors (every operation here is idempotent)."""
@@ -339,7 +342,7 @@ class AsyncClient(ClientBase):
         while True:
             try:
                 return await op()
-            except rex.RedisError as e:
+            except REDIS_ERRORS as e:
                 await asyncio.sleep(backoff.delay(e, request_id))
 
 

@@ -21,3 +21,6 @@ TRACESTATE_MAX_CHARS = 512  # the length the spec asks every vendor to propagate
 # A tenant id is part of Redis key names and a metric label: short, plain characters only.
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,32}")
 DEFAULT_TENANT = "default"  # the tenant of a request that names none
+# A model name is part of Redis key names (inside a cluster hash tag, so never a brace) and of ACL
+# key patterns (so no glob characters): printable, no spaces.
+MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")

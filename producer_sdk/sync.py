@@ -10,14 +10,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import redis
-import redis.exceptions as rex
 
 from producer_sdk import _core
 from producer_sdk._client_base import ClientBase, HandleState, ServedModel
 from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
-from producer_sdk.contract import keys
+from producer_sdk.contract import keys, scripts, steps
+from producer_sdk.contract.redis_errors import REDIS_ERRORS
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -79,7 +79,7 @@ class SyncHandle(HandleState):
                     continue
                 streams, count, block = f.xread_args()
                 reply = r.xread(streams, count=count, block=block)
-            except rex.RedisError as e:
+            except REDIS_ERRORS as e:
                 time.sleep(f.on_error(e))
                 continue
             yield from f.on_reply(reply)
@@ -160,11 +160,8 @@ class Client(ClientBase):
             self._check_model()
 
         def run() -> list[Any]:
-            pipe = self._redis.pipeline(transaction=False)
-            for p in prepared:
-                ks, args = self._enqueue_args(p)
-                self._script(keys=ks, args=args, client=pipe)
-            return pipe.execute(raise_on_error=False)
+            quotas = self._quotas({p.tenant for p in prepared})
+            return steps.run_many_sync(self._redis, [self._enqueue_call(p, quotas) for p in prepared])
 
         return self._many_handles(prepared, self._retry(run) if prepared else [])
 
@@ -201,9 +198,8 @@ class Client(ClientBase):
 
     def cancel(self, request_id: str) -> None:
         def run() -> None:
-            pipe = self._redis.pipeline(transaction=False)
-            _core.queue_cancel(pipe, self.model, request_id, self._opts.result_ttl_s)
-            pipe.execute()
+            for command in _core.cancel_commands(self.model, request_id, self._opts.result_ttl_s):
+                self._redis.execute_command(*command)
 
         self._retry(run, request_id)
 
@@ -231,15 +227,25 @@ class Client(ClientBase):
 
     def _enqueue(self, p: Prepared) -> EnqueueResult:
         self._check_model()
-        ks, args = self._enqueue_args(p)
-        return _core.parse_enqueue_reply(self._retry(lambda: self._script(keys=ks, args=args), p.request_id), p)
+
+        def run() -> Any:
+            step, ks, args = self._enqueue_call(p, self._quotas({p.tenant}))
+            return step.run_sync(self._redis, ks, args)
+
+        return _core.parse_enqueue_reply(self._retry(run, p.request_id), p)
+
+    def _quotas(self, tenants: set[str]) -> dict[str, scripts.Quota]:
+        names = sorted(tenants)
+        pipe = self._redis.pipeline(transaction=False)
+        _core.queue_quota_reads(pipe, names)
+        return _core.read_quotas(names, pipe.execute())
 
     def _retry(self, op: Callable[[], T], request_id: str | None = None) -> T:
         backoff = self._opts.backoff()
         while True:
             try:
                 return op()
-            except rex.RedisError as e:
+            except REDIS_ERRORS as e:
                 time.sleep(backoff.delay(e, request_id))
 
 

@@ -1,11 +1,12 @@
 """Tenant quotas: set, read and repair them (what `pagedq tenant ...` runs), on a blocking redis-py client.
 
-A quota lives in Redis (`keys.tenant_quota`) and the enqueue step enforces it atomically with the
-submit: at most `max_queued` outstanding requests (queued or running) of each model, and at most
-`requests_per_minute` requests accepted per minute over all models (fixed windows of the Redis
-clock), and no new request once `tokens_per_minute` tokens (prompt + completion of the tenant's
-requests finished in the current window, counted by the worker's final publish) are used. 0 or
-absent: unlimited. A tenant with no quota is unlimited.
+A quota lives in Redis (`keys.tenant_quota`); producers read it at each submit and the enqueue step
+enforces it atomically with the submit, per model (as OpenAI's rate limits are): at most `max_queued`
+outstanding requests (queued or running), at most `requests_per_minute` requests accepted per minute
+(fixed windows of the Redis clock), and no new request once `tokens_per_minute` tokens (prompt +
+completion of the tenant's requests finished in the current window, counted by the worker's ack)
+are used. 0 or absent: unlimited. A tenant with no quota is unlimited. Per model, because each
+model's counters live in its own hash slot (Redis Cluster).
 
 A tenant's fair-share `weight` lives in the same hash (field `weight`, default 1): workers that hold
 entries beyond their free seats admit them in proportion to the weights of the tenants waiting.
@@ -18,23 +19,23 @@ from typing import Any
 
 import msgspec
 
-from producer_sdk.contract import keys, scripts
+from producer_sdk.contract import keys, scripts, steps
 from producer_sdk.validation import validate_tenant
 
 
 class TenantQuota(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str
     max_queued: int = 0  # outstanding requests per model; 0: unlimited
-    requests_per_minute: int = 0  # over all models; 0: unlimited
-    tokens_per_minute: int = 0  # prompt + completion tokens of finished requests, all models; 0: unlimited
+    requests_per_minute: int = 0  # per model; 0: unlimited
+    tokens_per_minute: int = 0  # prompt + completion tokens of finished requests, per model; 0: unlimited
 
 
 class TenantUsage(msgspec.Struct, kw_only=True):
     tenant: str
     quota: TenantQuota
     queued: dict[str, int]  # model -> outstanding requests (queued or running)
-    requests_this_minute: int | None  # None: not counted (no requests_per_minute quota)
-    tokens_this_minute: int | None = None  # None: not counted (no tokens_per_minute quota)
+    requests_this_minute: dict[str, int] | None  # model -> count; None: not counted (no such quota)
+    tokens_this_minute: dict[str, int] | None = None  # model -> tokens; None: not counted (no such quota)
 
 
 def _int(raw: Any) -> int:
@@ -68,21 +69,20 @@ def set_quota(
     for name, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0 (0: unlimited), not {value!r}")
-    pipe = r.pipeline(transaction=True)
     if fields:
-        pipe.hset(keys.tenant_quota(tenant), mapping=fields)
-    pipe.sadd(keys.tenants(), tenant)
-    pipe.execute()
+        r.hset(keys.tenant_quota(tenant), mapping=fields)
+    r.sadd(keys.tenants(), tenant)
     return get_quota(r, tenant)
 
 
 def delete_quota(r: Any, tenant: str) -> bool:
     """Remove a tenant's quota (it becomes unlimited); False if it had none."""
     tenant = validate_tenant(tenant)
-    pipe = r.pipeline(transaction=True)
-    pipe.delete(keys.tenant_quota(tenant), keys.tenant_rate(tenant), keys.tenant_tokens(tenant))
-    pipe.srem(keys.tenants(), tenant)
-    deleted, removed = pipe.execute()
+    deleted = r.delete(keys.tenant_quota(tenant))
+    removed = r.srem(keys.tenants(), tenant)
+    for model in served_models(r):  # each key alone: they live in different hash slots
+        r.delete(keys.tenant_rate(model, tenant))
+        r.delete(keys.tenant_tokens(model, tenant))
     return bool(deleted or removed)
 
 
@@ -115,8 +115,11 @@ def usage(r: Any, models: Iterable[str] | None = None, tenants: Iterable[str] | 
     out = []
     for tenant in names:
         quota = get_quota(r, tenant)
-        used = _in_window(r, keys.tenant_rate(tenant), window) if quota.requests_per_minute else None
-        tokens = _in_window(r, keys.tenant_tokens(tenant), window) if quota.tokens_per_minute else None
+        used = tokens = None
+        if quota.requests_per_minute:
+            used = {m: _in_window(r, keys.tenant_rate(m, tenant), window) for m in models}
+        if quota.tokens_per_minute:
+            tokens = {m: _in_window(r, keys.tenant_tokens(m, tenant), window) for m in models}
         queued = counts.get(tenant, {})
         out.append(
             TenantUsage(tenant=tenant, quota=quota, queued=queued, requests_this_minute=used, tokens_this_minute=tokens)
@@ -134,7 +137,7 @@ def recount(r: Any, model: str) -> dict[str, int]:
     """Count the model's outstanding requests per tenant again from its lanes and store the result
     (repairs the counts max_queued reads after entries were deleted by hand or lost)."""
     ks, args = scripts.recount_call(model)
-    return scripts.read_recount(r.register_script(scripts.RECOUNT)(keys=ks, args=args))
+    return scripts.read_recount(steps.RECOUNT.run_sync(r, ks, args))
 
 
 # --- fair-share weight --------------------------------------------------------------------------
@@ -162,10 +165,8 @@ def validate_weight(weight: Any) -> float:
 def set_weight(r: Any, tenant: str, weight: float) -> float:
     """Set a tenant's fair-share weight (> 0; 1 is the default). Workers apply it within seconds."""
     tenant, weight = validate_tenant(tenant), validate_weight(weight)
-    pipe = r.pipeline(transaction=True)
-    pipe.hset(keys.tenant_quota(tenant), WEIGHT_FIELD, repr(weight))
-    pipe.sadd(keys.tenants(), tenant)
-    pipe.execute()
+    r.hset(keys.tenant_quota(tenant), WEIGHT_FIELD, repr(weight))
+    r.sadd(keys.tenants(), tenant)
     return get_weight(r, tenant)
 
 

@@ -10,6 +10,7 @@ import msgspec
 
 from producer_sdk.constants import (
     DEFAULT_TENANT,
+    MODEL_NAME_PATTERN,
     PROTOCOL_VERSION,
     REQUEST_ID_PATTERN,
     ROLES,
@@ -222,3 +223,12 @@ def validate_tenant(tenant: str | None) -> str:
     if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
         raise ValidationError(f"tenant must match {TENANT_PATTERN.pattern} (got {_short(tenant)})", field="tenant")
     return tenant
+
+
+def validate_model_name(model: str) -> str:
+    """A model name (the key namespace pagedq:{model}:*); ValueError if it cannot be one."""
+    if not isinstance(model, str) or not MODEL_NAME_PATTERN.fullmatch(model):
+        raise ValueError(
+            f"model name must match {MODEL_NAME_PATTERN.pattern} (it names Redis keys), not {_short(model)}"
+        )
+    return model

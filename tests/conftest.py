@@ -28,6 +28,11 @@ except ImportError:  # the SDK-only install has no torch
 from worker.models.tiny import FAMILIES
 from worker.service.redis_proc import RedisProcess
 
+# `PAGEDQ_TEST_REDIS=cluster`: every test that takes `redis_url` runs against a real local Redis
+# Cluster (3 masters + 3 replicas) instead of one redis-server; tests marked `single_node` (they
+# restart the server, create ACL users on it, ...) are left out of such a run, not skipped.
+ON_CLUSTER = os.environ.get("PAGEDQ_TEST_REDIS", "node") == "cluster"
+
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch is not None and torch.cuda.is_available()
@@ -35,6 +40,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(skip_gpu)
+    if ON_CLUSTER:
+        left_out = [item for item in items if item.get_closest_marker("single_node")]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not item.get_closest_marker("single_node")]
 
 
 # --- Redis -------------------------------------------------------------------------------------
@@ -55,24 +65,41 @@ def redis_server():
 SERVED_MODELS = ("default",)  # the names producers may submit to without a worker having started
 
 
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """One real local Redis Cluster for the whole session (the cluster pass only)."""
+    from tests.cluster_proc import RedisCluster
+
+    with RedisCluster(appendonly=False) as cluster:
+        yield cluster
+
+
 @pytest.fixture
-def redis_url(redis_server) -> str:
-    """URL of the session server, with an empty database at the start of each test, where the model
-    "default" is already registered as served (as after a worker ran), so producers can enqueue
-    before the test starts its worker."""
+def redis_url(request) -> str:
+    """URL of the session's Redis (one server, or the cluster in the cluster pass), empty at the start
+    of each test, where the model "default" is already registered as served (as after a worker ran),
+    so producers can enqueue before the test starts its worker."""
     import time
 
-    import redis
-
     from producer_sdk.contract import keys
+    from producer_sdk.contract.connection import connect
 
-    if not redis_server.ping():
-        redis_server.start()
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
+    if ON_CLUSTER:
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        url = cluster.url
+    else:
+        server = request.getfixturevalue("redis_server")
+        if not server.ping():
+            server.start()
+        url = server.url
+        client = connect(url, asyncio=False, socket_timeout=10)
+        client.flushall()
+        client.close()
+    client = connect(url, asyncio=False, socket_timeout=10)
     client.zadd(keys.models(), {m: int(time.time() * 1000) for m in SERVED_MODELS})
     client.close()
-    return redis_server.url
+    return url
 
 
 # --- Models ------------------------------------------------------------------------------------

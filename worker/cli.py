@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.cli_tenant import add_tenant_args
 
     add_tenant_args(sub.add_parser("tenant", help="tenant quotas: set, show, delete, recount"))
+    from worker.cli_migrate import add_migrate_args
+
+    add_migrate_args(sub.add_parser("migrate", help="move a Redis node's keys from the layout before hash tags"))
 
     bench = sub.add_parser("bench", help="benchmarks (from a source checkout: ops/bench)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -23,13 +23,13 @@ def add_tenant_args(tenant: argparse.ArgumentParser) -> None:
     s.add_argument("name", help="tenant id ([A-Za-z0-9_-], at most 32 characters)")
     s.add_argument("--max-queued", type=int, default=None, help="outstanding requests per model (0: unlimited)")
     s.add_argument(
-        "--requests-per-minute", type=int, default=None, help="requests accepted per minute, all models (0: unlimited)"
+        "--requests-per-minute", type=int, default=None, help="requests accepted per minute, per model (0: unlimited)"
     )
     s.add_argument(
         "--tokens-per-minute",
         type=int,
         default=None,
-        help="prompt + completion tokens of finished requests per minute, all models; a submit is refused once "
+        help="prompt + completion tokens of finished requests per minute, per model; a submit is refused once "
         "the minute's reach it (0: unlimited)",
     )
     s.add_argument(
@@ -52,16 +52,26 @@ def _limit(n: int) -> str:
     return str(n) if n else "-"
 
 
+def _per_model(u) -> str:
+    """Per model: outstanding requests, and this minute's requests and tokens where counted."""
+    models = sorted(set(u.queued) | set(u.requests_this_minute or {}) | set(u.tokens_this_minute or {}))
+    parts = []
+    for m in models:
+        use = [f"queued {u.queued.get(m, 0)}"]
+        if u.requests_this_minute is not None:
+            use.append(f"{u.requests_this_minute.get(m, 0)} req this min")
+        if u.tokens_this_minute is not None:
+            use.append(f"{u.tokens_this_minute.get(m, 0)} tok this min")
+        parts.append(f"{m}: {', '.join(use)}")
+    return "; ".join(parts) or "nothing queued"
+
+
 def render(rows: list) -> str:
-    head = f"{'tenant':<32} {'max queued':>10} {'req/min':>8} {'this min':>8}"
-    lines = [f"{head} {'tok/min':>10} {'this min':>10}  queued per model"]
+    lines = [f"{'tenant':<32} {'max queued':>10} {'req/min':>8} {'tok/min':>10}  use per model"]
     for u in rows:
-        this_minute = "-" if u.requests_this_minute is None else str(u.requests_this_minute)
-        tokens = "-" if u.tokens_this_minute is None else str(u.tokens_this_minute)
-        queued = ", ".join(f"{m} {n}" for m, n in sorted(u.queued.items())) or "0"
         lines.append(
             f"{u.tenant:<32} {_limit(u.quota.max_queued):>10} {_limit(u.quota.requests_per_minute):>8} "
-            f"{this_minute:>8} {_limit(u.quota.tokens_per_minute):>10} {tokens:>10}  {queued}"
+            f"{_limit(u.quota.tokens_per_minute):>10}  {_per_model(u)}"
         )
     if not rows:
         lines.append("(no tenant has a quota or outstanding requests)")
@@ -69,10 +79,9 @@ def render(rows: list) -> str:
 
 
 def cmd_tenant(args: argparse.Namespace) -> int:
-    import redis
-
     from producer_sdk import PagedqError, tenants
     from producer_sdk.contract.connection import connect
+    from producer_sdk.contract.redis_errors import REDIS_ERRORS
 
     r = connect(args.redis_url or default_redis_url(), asyncio=False, socket_timeout=30)
     try:
@@ -101,7 +110,7 @@ def cmd_tenant(args: argparse.Namespace) -> int:
         else:
             counts = tenants.recount(r, args.model_name)
             print(", ".join(f"{t} {n}" for t, n in sorted(counts.items())) or "no outstanding requests")
-    except (PagedqError, ValueError, redis.RedisError) as e:
+    except (PagedqError, ValueError, *REDIS_ERRORS) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:

@@ -45,7 +45,8 @@ def discovered_redis_url() -> str | None:
 
 
 REDIS_URL_HELP = (
-    "redis://, rediss:// or redis+sentinel:// (default: PAGEDQ_REDIS_URL, a running `pagedq up`, localhost)"
+    "redis://, rediss://, redis+sentinel:// or redis+cluster:// (default: PAGEDQ_REDIS_URL, a running "
+    "`pagedq up`, localhost)"
 )
 
 

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.terminate()
             worker.wait(60)
         n_streams, streams = _usage(r, keys.response_stream("*"))
-        n_markers, markers = _usage(r, keys.submitted_marker("*"))
+        n_markers, markers = _usage(r, keys.submitted_marker("default", "*"))
         events = sum(r.xlen(keys.response_stream(h.request_id)) for h in handles) / len(handles)
         result = {
             "requests": args.requests,

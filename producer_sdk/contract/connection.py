@@ -17,6 +17,9 @@ Sentinel names for `service_name` (as for ``redis://``); ``sentinel_username`` a
 ``Sentinel.master_for``: each new connection asks the Sentinels for the current primary, and a
 connection that meets ``READONLY`` (its server was demoted) is dropped and raises ConnectionError,
 which pagedq's retries treat as transient, so the retried call reaches the new primary.
+
+And a Redis Cluster URL, ``redis+cluster://host1:port,host2:port`` (``rediss+cluster://`` for TLS):
+see `producer_sdk.contract.cluster`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import redis.asyncio.sentinel
 import redis.retry
 import redis.sentinel
 from redis.backoff import NoBackoff
+
+from producer_sdk.contract.cluster import cluster_client, is_cluster_url, parse_cluster_url
 
 KEEPALIVE_CHECK_S = 15  # redis-py PINGs a connection idle this long before using it again
 SENTINEL_SCHEME = "redis+sentinel"
@@ -67,9 +72,12 @@ def connect(
 
 
 def redis_from_url(url: str, *, asyncio: bool, **options: Any) -> Any:
-    """``Redis.from_url(url, **options)`` (redis.asyncio's when `asyncio`), or for a Sentinel URL the
-    client of the primary the Sentinels name, its connections built with the same `options`. As with
-    ``from_url``, what the URL says (credentials, db) wins over `options`."""
+    """``Redis.from_url(url, **options)`` (redis.asyncio's when `asyncio`), for a Sentinel URL the
+    client of the primary the Sentinels name, for a cluster URL redis-py's cluster client, their
+    connections built with the same `options`. As with ``from_url``, what the URL says (credentials,
+    db) wins over `options`."""
+    if is_cluster_url(url):
+        return cluster_client(parse_cluster_url(url), asyncio=asyncio, options=options)
     if is_sentinel_url(url):
         return _sentinel_master(parse_sentinel_url(url), asyncio=asyncio, options=options)
     cls = redis.asyncio.Redis if asyncio else redis.Redis

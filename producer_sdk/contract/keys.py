@@ -1,4 +1,16 @@
-"""Redis key names and stream entry fields: the one place that spells them (worker and SDK)."""
+"""Redis key names and stream entry fields: the one place that spells them (worker and SDK).
+
+The layout is the same on one node, through Sentinel and on Redis Cluster. Every atomic step touches
+the keys of one hash slot only (`{...}` is the part Redis Cluster hashes):
+
+- a model's keys, ``pagedq:{<model>}:*``: its lanes, consumer group, dead letters, config, heartbeats,
+  worker states, submitted markers and tenant counters (the enqueue step and the ack need them together);
+- a request's keys, ``pagedq:<kind>:{<request id>}``: its response stream, lease and cancel flag (and
+  the gateway's record), which the publish step writes together;
+- keys used alone: the served-model registry, the tenant set and each tenant's quota.
+
+`pagedq migrate` renames the keys of the layout before this one (``pagedq:<model>:*``, ``pagedq:resp:<id>``).
+"""
 
 from __future__ import annotations
 
@@ -19,11 +31,16 @@ def lane_for_priority(priority: int) -> str:
     return "high" if priority > 0 else "low" if priority < 0 else "normal"
 
 
+def model_prefix(model: str) -> str:
+    """What every key of a model starts with: pagedq:{model}: (one hash slot per model)."""
+    return f"{PREFIX}:{{{model}}}:"
+
+
 def lane_stream(model: str, lane: str = "normal") -> str:
     """Request stream of a priority lane: pagedq:{model}:requests[:high|:low]."""
     if lane not in LANES:
         raise ValueError(f"unknown priority lane {lane!r}; choose from {LANES}")
-    base = f"{PREFIX}:{model}:requests"
+    base = f"{model_prefix(model)}requests"
     return base if lane == "normal" else f"{base}:{lane}"
 
 
@@ -34,51 +51,66 @@ def models() -> str:
 
 
 def group(model: str) -> str:
-    """Consumer group of the workers serving `model` (created on every lane stream)."""
+    """Consumer group of the workers serving `model` (created on every lane stream). A name inside
+    the streams, not a key: it is what it was before hash tags, so renamed lanes keep their group."""
     return f"{PREFIX}:{model}:workers"
 
 
 def dead_letters(model: str) -> str:
-    return f"{PREFIX}:{model}:dead"
+    return f"{model_prefix(model)}dead"
 
 
 def control_channel(model: str) -> str:
     """Pub/sub channel for cancels (and future control messages)."""
-    return f"{PREFIX}:{model}:control"
+    return f"{model_prefix(model)}control"
 
 
 def config(model: str) -> str:
     """Hash the workers publish their limits into (max_queue_len, max_model_len, ...)."""
-    return f"{PREFIX}:{model}:config"
+    return f"{model_prefix(model)}config"
 
 
 def heartbeats(model: str) -> str:
     """Sorted set: worker name -> last heartbeat (ms)."""
-    return f"{PREFIX}:{model}:heartbeats"
+    return f"{model_prefix(model)}heartbeats"
 
 
 def worker_state(model: str, worker: str) -> str:
     """JSON load report of one worker, with a TTL a few heartbeats long."""
-    return f"{PREFIX}:{model}:worker:{worker}"
+    return f"{model_prefix(model)}worker:{worker}"
+
+
+def submitted_marker(model: str, request_id: str) -> str:
+    """Set (with TTL) by the enqueue step: makes resubmitting the same request id a no-op. In the
+    model's slot, so that the check and the XADD are one atomic step."""
+    return f"{model_prefix(model)}req:{request_id}"
+
+
+# --- a request's own keys (one hash slot per request) -------------------------------------------
+
+
+def request_tag(request_id: str) -> str:
+    return f"{{{request_id}}}"
 
 
 def response_stream(request_id: str) -> str:
-    return f"{PREFIX}:resp:{request_id}"
+    return f"{PREFIX}:resp:{request_tag(request_id)}"
+
+
+def lease(request_id: str) -> str:
+    """Hash: which attempt may write the response stream (`e` epoch, `o` owner). The publish step
+    writes only for the attempt holding it; a new delivery of the entry takes it over (`acquire`)."""
+    return f"{PREFIX}:lease:{request_tag(request_id)}"
 
 
 def cancel_flag(request_id: str) -> str:
-    return f"{PREFIX}:cancel:{request_id}"
+    return f"{PREFIX}:cancel:{request_tag(request_id)}"
 
 
 def gateway_record(request_id: str) -> str:
     """What an HTTP gateway keeps of a request it took (model, kind, n, ...), so that any gateway can
     resume or fetch it; expires with the result."""
-    return f"{PREFIX}:gw:{request_id}"
-
-
-def submitted_marker(request_id: str) -> str:
-    """Set (NX, with TTL) by the enqueue script: makes resubmitting the same request id a no-op."""
-    return f"{PREFIX}:req:{request_id}"
+    return f"{PREFIX}:gw:{request_tag(request_id)}"
 
 
 # --- tenants ----------------------------------------------------------------------------------------
@@ -90,25 +122,25 @@ def tenants() -> str:
 
 
 def tenant_quota(tenant: str) -> str:
-    """Hash of a tenant's quota: max_queued (per model), requests_per_minute and tokens_per_minute (all
-    models); absent or 0: unlimited. The enqueue step reads it (and the final publish, for tokens)."""
+    """Hash of a tenant's quota: max_queued, requests_per_minute and tokens_per_minute (each per model);
+    absent or 0: unlimited. Producers read it and hand it to the enqueue step."""
     return f"{PREFIX}:tenant:{tenant}:quota"
 
 
-def tenant_rate(tenant: str) -> str:
-    """Hash of a tenant's current rate window: w (the window's number: unix ms // window length) and
-    n (requests enqueued in it); expires after the window."""
-    return f"{PREFIX}:tenant:{tenant}:rate"
+def tenant_rate(model: str, tenant: str) -> str:
+    """Hash of a tenant's current rate window on a model: w (the window's number: unix ms // window
+    length) and n (requests enqueued in it); expires after the window."""
+    return f"{model_prefix(model)}tenant:{tenant}:rate"
 
 
-def tenant_tokens(tenant: str) -> str:
-    """Hash of a tenant's current token window: w (the window's number, as in `tenant_rate`) and n
-    (prompt + completion tokens of the requests finished in it, added by the worker's final publish);
-    expires after the window."""
-    return f"{PREFIX}:tenant:{tenant}:tokens"
+def tenant_tokens(model: str, tenant: str) -> str:
+    """Hash of a tenant's current token window on a model: w (the window's number, as in
+    `tenant_rate`) and n (prompt + completion tokens of the requests finished in it, added by the
+    worker's ack); expires after the window."""
+    return f"{model_prefix(model)}tenant:{tenant}:tokens"
 
 
 def tenant_queued(model: str) -> str:
     """Hash: tenant -> outstanding entries (queued + in flight) of the model, counted by the enqueue
     step and decremented by the step that deletes the entry."""
-    return f"{PREFIX}:{model}:tenant_queued"
+    return f"{model_prefix(model)}tenant_queued"

@@ -11,11 +11,24 @@ CONNECTION_ERRORS = (rex.ConnectionError, rex.TimeoutError, OSError)
 
 # Server replies that mean "not now" rather than "never": busy with a script, loading its data, a
 # replica after a failover, persistence failing (MISCONF), out of memory under noeviction, a
-# script cache emptied by a restart, a cluster reconfiguring.
-_TRANSIENT_CLASSES = (rex.ReadOnlyError, rex.BusyLoadingError, rex.NoScriptError, rex.OutOfMemoryError)
+# script cache emptied by a restart, a cluster reconfiguring (a failover, a slot migrating).
+_TRANSIENT_CLASSES = (
+    rex.ReadOnlyError,
+    rex.BusyLoadingError,
+    rex.NoScriptError,
+    rex.OutOfMemoryError,
+    rex.ClusterError,  # ClusterDownError, MasterDownError, and redis-py's "TTL exhausted" after redirects
+    rex.TryAgainError,
+    rex.SlotNotCoveredError,
+)
 _TRANSIENT_CODES = re.compile(
     r"\b(BUSY|LOADING|READONLY|MISCONF|OOM|TRYAGAIN|CLUSTERDOWN|NOSCRIPT|MASTERDOWN|NOREPLICAS|UNBLOCKED)\b"
 )
+# What redis-py's cluster client raises (not a RedisError) when no node it knows answers, or its
+# nodes do not yet agree on the slot map: the cluster is failing over.
+_CLUSTER_UNREACHABLE = ("cannot be connected", "could not agree", "slots are not covered", "no node")
+
+REDIS_ERRORS = (rex.RedisError, rex.RedisClusterException)  # everything a redis-py call raises of its own
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -29,4 +42,6 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, rex.ResponseError):
         # redis-py strips the code of the classes it knows; errors raised inside a script keep it.
         return _TRANSIENT_CODES.search(str(exc)[:200]) is not None or str(exc).startswith("command not allowed")
+    if isinstance(exc, rex.RedisClusterException):
+        return any(s in str(exc) for s in _CLUSTER_UNREACHABLE)
     return False

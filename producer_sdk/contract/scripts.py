@@ -1,8 +1,8 @@
 """The Lua steps of the Redis contract (`pagedq.lua`), with their arguments built and replies read here.
 
-Each step is the whole library plus one `return <step>(KEYS, ARGV)` line, run with EVALSHA (redis-py's
-`Script` reloads it after a server restart). The builders and readers do no I/O, so the async and the
-blocking clients, and the worker, share them.
+Each step is the whole library plus one `return <step>(KEYS, ARGV)` line, run with EVALSHA
+(`producer_sdk.contract.steps`). The builders and readers do no I/O, so the async and the blocking
+clients, and the worker, share them. Every call's keys share one hash slot (Redis Cluster).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def _step(name: str) -> str:
 
 
 ENQUEUE = _step("enqueue")
+ACQUIRE = _step("acquire")
 PUBLISH = _step("publish")
+ACK = _step("ack")
 DROP = _step("drop")
 CLAIM_OWN = _step("claim_own")
 RECOUNT = _step("recount")
@@ -40,7 +42,27 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
+def _int(raw: Any) -> int:
+    try:
+        return max(0, int(raw))
+    except (TypeError, ValueError):
+        return 0
+
+
 # --- enqueue ------------------------------------------------------------------------------------
+
+
+class Quota(msgspec.Struct, frozen=True):
+    """A tenant's limits per model as the enqueue step applies them (0: unlimited)."""
+
+    max_queued: int = 0
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+
+
+def read_quota(values: Sequence[Any]) -> Quota:
+    """The reply of ``HMGET keys.tenant_quota(tenant) *QUOTA_FIELDS`` (absent or broken: 0)."""
+    return Quota(*(_int(v) for v in values))
 
 
 def enqueue_call(
@@ -51,23 +73,26 @@ def enqueue_call(
     max_queue_len: int | None,
     marker_ttl_ms: int,
     tenant: str = DEFAULT_TENANT,
+    quota: Quota | None = None,
     *,
     now_ms: int = 0,
     window_ms: int = RATE_WINDOW_MS,
 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of `enqueue`. `now_ms` 0: the rate window is read from Redis's clock."""
+    """KEYS and ARGV of `enqueue`. `quota`: the tenant's, as just read (`read_quota`). `now_ms` 0: the
+    rate window is read from Redis's clock."""
+    q = quota or Quota()
     ks = [
         keys.lane_stream(model, lane),
-        keys.submitted_marker(request_id),
+        keys.submitted_marker(model, request_id),
         keys.config(model),
         keys.tenant_queued(model),
-        keys.tenant_quota(tenant),
-        keys.tenant_rate(tenant),
-        keys.tenant_tokens(tenant),
+        keys.tenant_rate(model, tenant),
+        keys.tenant_tokens(model, tenant),
         *(keys.lane_stream(model, name) for name in keys.LANES),
     ]
     args = [request_id, payload, int(max_queue_len or 0), max(1, int(marker_ttl_ms)), DEFAULT_MAX_QUEUE_LEN]
-    return ks, [*args, tenant, int(now_ms), int(window_ms), QUEUED_RETRY_AFTER_MS]
+    args += [tenant, int(now_ms), int(window_ms), QUEUED_RETRY_AFTER_MS]
+    return ks, [*args, q.max_queued, q.requests_per_minute, q.tokens_per_minute]
 
 
 class EnqueueReply(msgspec.Struct, frozen=True):
@@ -94,7 +119,46 @@ def read_enqueue(reply: Sequence[Any]) -> EnqueueReply:
     raise ValueError(f"unexpected reply from the enqueue script: {reply!r}")
 
 
-# --- publish and drop (worker) ------------------------------------------------------------------
+# --- the lease (worker) -------------------------------------------------------------------------
+
+
+def lease_epoch(entry_id: str, deliveries: int) -> str:
+    """The fencing token of one delivery of an entry: "<entry id>:<deliveries>". Later entries (a
+    resubmit) and later deliveries of one entry (a reclaim) are newer."""
+    return f"{entry_id}:{int(deliveries)}"
+
+
+def acquire_call(request_id: str, *, owner: str, epoch: str, ttl_ms: int) -> tuple[list[str], list[Any]]:
+    return [keys.lease(request_id)], [owner, epoch, max(1, int(ttl_ms))]
+
+
+class AcquireReply(msgspec.Struct, frozen=True):
+    ok: bool
+    holder_epoch: str | None = None  # stale: who holds the lease
+    holder: str | None = None
+
+
+def read_acquire(reply: Sequence[Any]) -> AcquireReply:
+    status = _s(reply[0])
+    if status == "ok":
+        return AcquireReply(True)
+    if status == "stale":
+        return AcquireReply(False, _s(reply[1]), _s(reply[2]))
+    raise ValueError(f"unexpected reply from the acquire script: {reply!r}")
+
+
+def epoch_entry(epoch: str) -> str:
+    """The entry id part of a lease epoch."""
+    return epoch.rsplit(":", 1)[0]
+
+
+def entry_newer(a: str, b: str) -> bool:
+    """Whether stream entry id `a` is after `b` ("ms-seq")."""
+    pa, pb = (tuple(int(x) for x in e.split("-", 1)) for e in (a, b))
+    return pa > pb
+
+
+# --- publish, ack and drop (worker) -------------------------------------------------------------
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
@@ -121,59 +185,69 @@ class DeadLetter(msgspec.Struct, frozen=True):
 
 
 def publish_call(
-    model: str,
-    lane: str,
     request_id: str,
     *,
-    group: str,
-    consumer: str,
-    entry_id: str,
+    owner: str,
+    epoch: str,
     cap: int,
     live_ttl_ms: int,
     result_ttl_ms: int,
     first_seq: int,
     events: Sequence[bytes],
     final: bool,
-    dead_letter: DeadLetter | None = None,
-    tenant: str = DEFAULT_TENANT,
-    tokens: int = 0,
-    now_ms: int = 0,
-    window_ms: int = RATE_WINDOW_MS,
 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of `publish`: events numbered first_seq, first_seq + 1, ...
-
-    `tokens` (final batch only): the request's prompt + completion tokens, added to `tenant`'s
-    token window (if it has a tokens_per_minute quota) by the call that deletes the entry, when the
-    entry's tenant field is `tenant`. `now_ms` 0: the window is read from Redis's clock."""
-    ks = [
-        keys.lane_stream(model, lane),
-        keys.response_stream(request_id),
-        keys.dead_letters(model),
-        keys.submitted_marker(request_id),
-        keys.tenant_queued(model),
-        keys.tenant_quota(tenant),
-        keys.tenant_tokens(tenant),
-    ]
-    args: list[Any] = [group, consumer, entry_id, cap, live_ttl_ms, result_ttl_ms, first_seq, int(final)]
-    args += [tenant, max(0, int(tokens)) if final else 0, int(now_ms), int(window_ms)]
-    args += [len(events), *events]
-    if dead_letter is not None:
-        if not final:
-            raise ValueError("a dead letter goes with the final batch only")
-        args += dead_letter.args()
+    """KEYS and ARGV of `publish`: events numbered first_seq, first_seq + 1, ..., written for the
+    attempt holding the lease at `epoch`."""
+    ks = [keys.response_stream(request_id), keys.lease(request_id)]
+    args: list[Any] = [owner, epoch, cap, live_ttl_ms, result_ttl_ms, first_seq, int(final), len(events), *events]
     return ks, args
 
 
 class PublishReply(msgspec.Struct, frozen=True):
-    status: str  # ok | done | lost | gap
+    status: str  # ok | lost | gap
     last_seq: int  # the last seq in the response stream after the call (-1: empty)
 
 
 def read_publish(reply: Sequence[Any]) -> PublishReply:
     status = _s(reply[0])
-    if status not in ("ok", "done", "lost", "gap"):
+    if status not in ("ok", "lost", "gap"):
         raise ValueError(f"unexpected reply from the publish script: {reply!r}")
     return PublishReply(status, int(reply[1]))
+
+
+def ack_call(
+    model: str,
+    lane: str,
+    request_id: str,
+    *,
+    group: str,
+    entry_id: str,
+    result_ttl_ms: int,
+    tenant: str = DEFAULT_TENANT,
+    tokens: int = 0,
+    dead_letter: DeadLetter | None = None,
+    now_ms: int = 0,
+    window_ms: int = RATE_WINDOW_MS,
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of `ack`, after the request's final event is stored. `tokens`: its prompt +
+    completion tokens, added to `tenant`'s token window by the call that deletes the entry, when the
+    entry's tenant field is `tenant`. `now_ms` 0: the window is read from Redis's clock."""
+    ks = [
+        keys.lane_stream(model, lane),
+        keys.dead_letters(model),
+        keys.tenant_queued(model),
+        keys.submitted_marker(model, request_id),
+        keys.tenant_tokens(model, tenant),
+    ]
+    args: list[Any] = [group, entry_id, result_ttl_ms, tenant, max(0, int(tokens)), int(now_ms), int(window_ms)]
+    if dead_letter is not None:
+        args += dead_letter.args()
+    return ks, args
+
+
+def read_ack(reply: Any) -> bool:
+    """Whether this call deleted the entry."""
+    return int(reply) == 1
 
 
 def drop_call(

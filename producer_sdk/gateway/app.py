@@ -18,7 +18,6 @@ import math
 import time
 from typing import Any
 
-import redis.exceptions as rex
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -28,6 +27,7 @@ from producer_sdk.client import AsyncClient
 from producer_sdk.constants import REQUEST_ID_PATTERN
 from producer_sdk.contract import keys
 from producer_sdk.contract.connection import connect
+from producer_sdk.contract.redis_errors import REDIS_ERRORS
 from producer_sdk.errors import DeadlineExceeded, PagedqError
 from producer_sdk.gateway import errors, mapping, records
 from producer_sdk.gateway.auth import ANONYMOUS, Caller, KeyRing
@@ -319,7 +319,7 @@ def _guarded(handler):
             return error_response(e)
         except PagedqError as e:
             return error_response(errors.from_sdk(e))
-        except rex.RedisError as e:
+        except REDIS_ERRORS as e:
             return error_response(errors.redis_unavailable(e))
 
     return endpoint

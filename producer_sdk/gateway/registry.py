@@ -84,7 +84,11 @@ class Registry:
             pipe.zrange(keys.heartbeats(name), 0, -1)
         members = await pipe.execute() if views else []
         state_keys = [(name, _s(w)) for name, ws in zip(views, members) for w in ws]
-        states = await self.redis.mget([keys.worker_state(m, w) for m, w in state_keys]) if state_keys else []
+        pipe = self.redis.pipeline(transaction=False)
+        for name, ws in zip(views, members):  # one MGET per model: each model's keys share a hash slot
+            if ws:
+                pipe.mget([keys.worker_state(name, _s(w)) for w in ws])
+        states = [raw for batch in (await pipe.execute() if state_keys else []) for raw in batch]
         for (model, name), raw in zip(state_keys, states):
             if raw is None:
                 continue  # expired: the worker stopped heartbeating

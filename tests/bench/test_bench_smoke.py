@@ -33,6 +33,7 @@ from producer_sdk import Client
 from producer_sdk.contract import keys
 from producer_sdk.contract.keys import EVENT_FIELD
 from producer_sdk.protocol import Finished, Started, Tokens, decode_event
+from tests.service.worker_proc import wait_acked
 
 VOCAB = 49152
 
@@ -167,8 +168,7 @@ def test_baseline_worker_speaks_the_protocol(llama_dir, redis_url):
         assert [e.seq for e in events] == list(range(len(events)))
         assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
         assert sum(len(e.token_ids) for e in events if isinstance(e, Tokens)) == 12
-        assert r.xlen(keys.lane_stream(model_name)) == 0  # acked and deleted
-        assert not r.xpending(keys.lane_stream(model_name), keys.group(model_name))["pending"]
+        wait_acked(redis_url, model_name)  # acked and deleted
     finally:
         proc.terminate()
         proc.wait(30)

@@ -17,6 +17,7 @@ from producer_sdk.contract import keys, scripts
 from producer_sdk.protocol import Error, Started, Tokens, encode_event
 from tests.chaos.harness import Outcome, Traffic, mid_flight, progress, raw_events, score, wait_for, worker
 from tests.chaos.proxy import ReplyDroppingProxy
+from tests.service.worker_proc import wait_acked
 from worker import LLM, SamplingParams
 from worker.service.redis_proc import RedisProcess
 
@@ -140,8 +141,7 @@ def test_a_wrongtype_key_ends_only_its_own_request(llama_dir, aof_redis, referen
     dead = [f for _, f in admin.xrange(keys.dead_letters("default"))]
     assert [(f[b"id"], f[b"code"]) for f in dead] == [(victim.encode(), b"stream_unwritable")]
     assert "WRONGTYPE" in traffic.errors[victim]  # its reader got the server's own error at once
-    lane = keys.lane_stream("default")
-    assert admin.xlen(lane) == 0 and admin.xpending(lane, keys.group("default"))["pending"] == 0
+    wait_acked(aof_redis.url)
     o.errored, o.requests = 1, len(prompts)
     _clean(o.record())
     assert o.completed == len(others)

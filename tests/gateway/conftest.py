@@ -9,8 +9,8 @@ themselves instead, and measure worker metrics as differences.
 from __future__ import annotations
 
 import pytest
-import redis
 
+from producer_sdk.contract.connection import connect
 from tests.gateway.gateway_proc import GatewayProc
 from tests.service.worker_proc import WorkerProc
 from worker.models.chat_templates import HERMES_TOOLS
@@ -23,7 +23,7 @@ MAX_MODEL_LEN = 1024  # a chat with a tool: about 500 prompt tokens of the tiny 
 def gw_redis_url(redis_server) -> str:
     if not redis_server.ping():
         redis_server.start()
-    client = redis.Redis.from_url(redis_server.url)
+    client = connect(redis_server.url, asyncio=False, socket_timeout=10)
     client.flushall()
     client.close()
     return redis_server.url
@@ -70,6 +70,6 @@ def offline(llama_dir):
 
 @pytest.fixture
 def r(gw_redis_url):
-    client = redis.Redis.from_url(gw_redis_url)
+    client = connect(gw_redis_url, asyncio=False, socket_timeout=10)
     yield client
     client.close()

@@ -3,8 +3,8 @@
 It implements the worker's half of the Redis contract documented in producer_sdk/protocol.py:
 consumer group on every lane (high lane first), decode + validate with the protocol module,
 Error event + dead letter for bad entries, Started / Tokens / Finished events with contiguous seq,
-the final event + XACK + XDEL in one MULTI, cancel flag checked before every token, deadlines,
-and a pub/sub listener that records control messages.
+the final event, then XACK + XDEL (as the worker: the ack after the final event), cancel flag
+checked before every token, deadlines, and a pub/sub listener that records control messages.
 
 Generation is fake and deterministic: sample `index` token `i` has id ``1000 * index + i`` and
 text ``"w{i} "``; `max_tokens` tokens (prompt "forever": until cancel or deadline); prompt "fail"
@@ -17,13 +17,13 @@ import asyncio
 import contextlib
 import time
 
-import redis.asyncio as aioredis
 import redis.exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 
 from producer_sdk.contract import keys
-from producer_sdk.contract.connection import client_options
+from producer_sdk.contract.cluster import is_cluster, node_client
+from producer_sdk.contract.connection import client_options, redis_from_url
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, EVENT_FIELD
 from producer_sdk.errors import ProtocolError
 from producer_sdk.protocol import (
@@ -74,7 +74,7 @@ class FakeWorker:
         # a test double); the socket timeout stays explicit whatever redis-py's defaults are.
         options = client_options(asyncio=True, socket_timeout=10.0)
         options.update(retry=Retry(ConstantBackoff(0.02), 50), retry_on_error=[rex.ConnectionError, rex.TimeoutError])
-        self.redis = aioredis.Redis.from_url(redis_url, **options)
+        self.redis = redis_from_url(redis_url, asyncio=True, **options)  # one node or a cluster
         self.model = model
         self.name = name
         self.token_delay = token_delay
@@ -190,7 +190,7 @@ class FakeWorker:
                 timings=Timings(queue_ms=float(t0 - req.created_ms), ttft_ms=1.0, e2e_ms=float(now_ms() - t0)),
             )
 
-        if await self.redis.exists(keys.cancel_flag(rid)):
+        if await self._retry(self.redis.exists, keys.cancel_flag(rid)):
             await self._finish(stream, entry_id, rid, fin("abort", 0))
             return
         if req.deadline_ms is not None and now_ms() >= req.deadline_ms:
@@ -207,7 +207,7 @@ class FakeWorker:
         while forever or i < limit:
             if self.pause_after is not None and i == self.pause_after:
                 await self.resume.wait()
-            if await self.redis.exists(keys.cancel_flag(rid)):
+            if await self._retry(self.redis.exists, keys.cancel_flag(rid)):
                 await self._finish(stream, entry_id, rid, fin("abort", i))
                 return
             if req.deadline_ms is not None and now_ms() >= req.deadline_ms:
@@ -233,39 +233,57 @@ class FakeWorker:
             await asyncio.sleep(self.token_delay)
         await self._finish(stream, entry_id, rid, fin("length", i))
 
+    async def _retry(self, call, *args):
+        """`call(*args)` again after a dropped connection (a blind resend: this is a test double)."""
+        for _ in range(200):
+            try:
+                return await call(*args)
+            except rex.ConnectionError:
+                await asyncio.sleep(0.02)
+        return await call(*args)
+
     async def _emit(self, rid: str, ev: Event) -> None:
         key = keys.response_stream(rid)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(key, {EVENT_FIELD: encode_event(ev)}, maxlen=self.cap, approximate=True)
-        pipe.expire(key, self.ttl_s)
-        await pipe.execute()
+
+        async def write() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(key, {EVENT_FIELD: encode_event(ev)}, maxlen=self.cap, approximate=True)
+            pipe.expire(key, self.ttl_s)
+            await pipe.execute()
+
+        await self._retry(write)
 
     async def _finish(self, stream: str, entry_id: str, rid: str, ev: Event) -> None:
-        key = keys.response_stream(rid)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(key, {EVENT_FIELD: encode_event(ev)}, maxlen=self.cap, approximate=True)
-        pipe.expire(key, self.ttl_s)
-        pipe.xack(stream, self.group, entry_id)
-        pipe.xdel(stream, entry_id)
-        await pipe.execute()
+        await self._emit(rid, ev)  # the final event, then the ack (two hash slots)
+        await self._ack(stream, entry_id)
         self.finished[rid] = ev.finish_reason if isinstance(ev, Finished) else ev.code
 
     async def _ack(self, stream: str, entry_id: str) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xack(stream, self.group, entry_id)
-        pipe.xdel(stream, entry_id)
-        await pipe.execute()
+        async def ack() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xack(stream, self.group, entry_id)
+            pipe.xdel(stream, entry_id)
+            await pipe.execute()
+
+        await self._retry(ack)
 
     # -- control -----------------------------------------------------------------------------------
 
     async def _listen(self) -> None:
-        ps = self.redis.pubsub()
-        await ps.subscribe(keys.control_channel(self.model))
-        while True:
-            msg = await ps.get_message(timeout=1.0)
-            if msg is None:
-                continue
-            if msg["type"] == "subscribe":
-                self._subscribed.set()
-            elif msg["type"] == "message":
-                self.control.append(decode_control(msg["data"]))
+        channel = keys.control_channel(self.model)
+        node = await node_client(self.redis, channel) if is_cluster(self.redis) else None
+        ps = (node or self.redis).pubsub()
+        try:
+            await ps.subscribe(channel)
+            while True:
+                msg = await ps.get_message(timeout=1.0)
+                if msg is None:
+                    continue
+                if msg["type"] == "subscribe":
+                    self._subscribed.set()
+                elif msg["type"] == "message":
+                    self.control.append(decode_control(msg["data"]))
+        finally:
+            await ps.aclose()
+            if node is not None:
+                await node.aclose()

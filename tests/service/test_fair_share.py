@@ -10,11 +10,10 @@ import signal
 import time
 
 import pytest
-import redis
-import redis.asyncio as aioredis
 
 from producer_sdk import Client, tenants
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 from producer_sdk.protocol import Finished, Started
 from tests.service.worker_proc import WorkerProc, response_events, wait_until
 
@@ -71,7 +70,7 @@ def test_a_flood_cannot_starve_a_tenant_behind_it(llama_dir, redis_url, window):
 
 def test_weights_give_shares(llama_dir, redis_url):
     """Two tenants both backlogged inside the window: weight 3 gets three admissions for one."""
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url, asyncio=False, socket_timeout=10)
     tenants.set_weight(r, "heavy", 3)
     assert tenants.get_weight(r, "heavy") == 3.0 and tenants.get_weight(r, "light") == 1.0
     r.close()
@@ -108,7 +107,7 @@ def test_held_entries_are_renewed_cancelled_and_handed_over(llama_dir, redis_url
         assert not response_events(redis_url, flood[WINDOW])  # read before it, still held
 
         # While w1 lives, what it holds is renewed: never idle as long as the claim timeout.
-        r = redis.Redis.from_url(redis_url)
+        r = connect(redis_url, asyncio=False, socket_timeout=10)
         stream, group = keys.lane_stream("default"), keys.group("default")
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
@@ -155,7 +154,7 @@ def test_weight_command_and_the_workers_cache(redis_url, capsys):
     from worker.service.tenant_weights import TenantWeights
 
     url = ["--redis-url", redis_url]
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url, asyncio=False, socket_timeout=10)
     assert pagedq(["tenant", "set", "team-a", "--weight", "2.5", *url]) == 0
     assert "fair-share weight 2.5" in capsys.readouterr().out
     assert tenants.get_weight(r, "team-a") == 2.5
@@ -169,7 +168,7 @@ def test_weight_command_and_the_workers_cache(redis_url, capsys):
     assert tenants.get_weight(r, "team-b") == tenants.DEFAULT_WEIGHT
 
     async def cached() -> None:
-        aio = aioredis.Redis.from_url(redis_url)
+        aio = connect(redis_url, asyncio=True, socket_timeout=10)
         try:
             weights = TenantWeights(aio, ttl_s=3600)
             await weights.refresh(["team-a", "team-c"])

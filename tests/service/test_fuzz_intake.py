@@ -10,16 +10,16 @@ import uuid
 import hypothesis.strategies as st
 import msgspec
 import pytest
-import redis
 from hypothesis import HealthCheck, given, settings
 
 from producer_sdk import Client
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 from producer_sdk.protocol import Error, Finished, GenerateRequest, Message, SamplingParams, encode_request
 from producer_sdk.validation import DEFAULT_LIMITS
 from tests.service.worker_proc import WorkerProc, response_events, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.single_node]  # a module-scoped worker on the session server
 
 text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
 floats = st.floats(allow_nan=False, allow_infinity=False)
@@ -93,7 +93,7 @@ def _wait_terminal(url: str, request_id: str, timeout: float = 60.0):
 @given(batch=st.lists(requests, min_size=1, max_size=4))
 def test_hostile_but_valid_requests_all_end_and_the_worker_survives(fuzz_worker, redis_server, batch):
     url = redis_server.url
-    r = redis.Redis.from_url(url)
+    r = connect(url, asyncio=False, socket_timeout=10)
     sent = []
     for req in batch:
         data = encode_request(req, DEFAULT_LIMITS)  # valid as far as the protocol goes
@@ -121,7 +121,7 @@ def test_hostile_but_valid_requests_all_end_and_the_worker_survives(fuzz_worker,
 )
 def test_arbitrary_bytes_are_dead_lettered(fuzz_worker, redis_server, payload):
     url = redis_server.url
-    r = redis.Redis.from_url(url)
+    r = connect(url, asyncio=False, socket_timeout=10)
     before = r.xlen(keys.dead_letters("default"))
     r.xadd(keys.lane_stream("default"), {"id": "fuzz-bytes-0001", "d": payload})
     wait_until(lambda: r.xlen(keys.dead_letters("default")) > before, 30, "a dead letter")

@@ -15,7 +15,10 @@ from producer_sdk.arq_bridge import arq_worker_settings, enqueue_generation  # n
 
 QUEUE = "pagedq:arq:test"
 # arq's own Worker.close calls redis-py's deprecated close()
-pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated close:DeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Call to deprecated close:DeprecationWarning"),
+    pytest.mark.single_node,
+]  # arq runs on one node only
 
 
 async def run_arq_burst(redis_url: str) -> Worker:

@@ -13,7 +13,10 @@ from redis.asyncio.connection import SSLConnection as AsyncSSLConnection
 from sdk_fake_worker import FakeWorker
 
 from producer_sdk import AsyncClient, AuthenticationFailed, Client, PermissionDenied, tenants
+from producer_sdk.contract.connection import connect
 from worker.service.redis_proc import RedisProcess, free_port
+
+pytestmark = pytest.mark.single_node  # ACL users made on one server
 
 MODEL = "default"
 # Exactly what the SDK needs (documented in docs/sdk.md): keys and channels under pagedq:.
@@ -26,7 +29,7 @@ SDK_COMMANDS = [
 
 @pytest.fixture
 def acl_user(redis_url):
-    admin = redis.Redis.from_url(redis_url)
+    admin = connect(redis_url, asyncio=False, socket_timeout=10)
     users = []
 
     def make(name: str, password: str, keys: str = "~pagedq:*", channels: str = "&pagedq:*") -> str:
@@ -54,7 +57,7 @@ async def test_acl_user_restricted_to_pagedq_keys(redis_url, acl_user):
         # a key outside pagedq:* is really off limits for this user
         with pytest.raises(redis.exceptions.NoPermissionError):
             await client.redis.get("other:key")
-    admin = redis.Redis.from_url(redis_url)
+    admin = connect(redis_url, asyncio=False, socket_timeout=10)
     tenants.set_quota(admin, "team-a", max_queued=100, requests_per_minute=100, tokens_per_minute=100)  # all run
     admin.close()
     with Client(url, MODEL, tenant="team-a") as sync_client:
@@ -71,7 +74,7 @@ async def test_wrong_password_is_a_clear_error(redis_url, acl_user):
 
 
 async def test_acl_without_pagedq_keys_is_permission_denied(acl_user):
-    url = acl_user("tenant_b", "pw-b", keys="~pagedq:tenant-b:*", channels="&pagedq:tenant-b:*")
+    url = acl_user("tenant_b", "pw-b", keys="~pagedq:{tenant-b}:*", channels="&pagedq:{tenant-b}:*")
     async with AsyncClient(url, "tenant-a") as client:
         with pytest.raises(PermissionDenied, match="ACL"):
             await client.submit("x")

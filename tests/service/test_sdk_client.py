@@ -7,8 +7,6 @@ import contextlib
 
 import msgspec
 import pytest
-import redis
-import redis.asyncio as aioredis
 from sdk_fake_worker import FakeWorker, wait_for
 
 from producer_sdk import (
@@ -26,6 +24,7 @@ from producer_sdk import (
     ValidationError,
 )
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 from producer_sdk.protocol import (
     Finished,
     Started,
@@ -45,7 +44,7 @@ async def client(redis_url):
 
 @pytest.fixture
 def admin(redis_url):
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url, asyncio=False, socket_timeout=10)
     yield r
     r.close()
 
@@ -71,7 +70,7 @@ async def test_submit_stream_result(redis_url, client, admin):
         assert done.request_id == handle.request_id and len(done.choices) == 1
         assert worker.requests[0].metadata == {"tenant": "acme"}
         assert worker.requests[0].sampling.max_tokens == 4
-    assert lane_len(admin) == 0  # the worker XDELs finished entries
+        await wait_for(lambda: lane_len(admin) == 0, 10, "the ack")  # XDELed after the final event
 
 
 async def test_generate_and_stream_shortcuts(redis_url, client):
@@ -118,7 +117,7 @@ def _write_events(admin, rid: str, events) -> None:
 
 async def test_duplicate_events_are_dropped(client, admin):
     rid = "dup_events_1"
-    admin.set(keys.submitted_marker(rid), 1)
+    admin.set(keys.submitted_marker("default", rid), 1)
     _write_events(
         admin,
         rid,
@@ -139,7 +138,7 @@ async def test_an_attempt_restarting_before_what_was_read_is_a_divergence(client
     """Redis lost the tail of the stream in a failover and a new attempt restarted from what was left:
     the reader must not splice the new attempt's text onto the old one."""
     rid = "diverged_events_1"
-    admin.set(keys.submitted_marker(rid), 1)
+    admin.set(keys.submitted_marker("default", rid), 1)
     _write_events(
         admin,
         rid,
@@ -383,7 +382,7 @@ async def test_validation_happens_before_sending(client, admin):
         await client.submit("x", messages=[{"role": "user", "content": "y"}])
     with pytest.raises(TypeError, match="valid: n, max_tokens"):
         await client.submit("x", max_new_tokens=5)
-    assert admin.keys("pagedq:default:*") == [] and admin.keys("pagedq:req:*") == []
+    assert admin.keys(keys.model_prefix("default") + "*") == [] and admin.keys("pagedq:resp:*") == []
 
 
 async def test_an_unknown_model_fails_at_once_naming_the_served_ones(redis_url, admin):
@@ -392,7 +391,7 @@ async def test_an_unknown_model_fails_at_once_naming_the_served_ones(redis_url, 
             await typo.submit("x")
         assert info.value.served == ["default"] and "'defualt'" in str(info.value)
         assert [m.name for m in await typo.served_models()] == ["default"]
-    assert admin.keys("pagedq:defualt:*") == []  # nothing was enqueued
+    assert admin.keys(keys.model_prefix("defualt") + "*") == []  # nothing was enqueued
     with Client(redis_url, "defualt") as typo_sync, pytest.raises(ModelNotFound):
         typo_sync.submit_many(["x", "y"])
     async with AsyncClient(redis_url, "not-yet", check_model=False) as early:
@@ -405,10 +404,10 @@ async def test_unknown_request_is_reported_lost(client):
 
 
 async def test_existing_redis_instance(redis_url):
-    r = aioredis.Redis.from_url(redis_url)
+    r = connect(redis_url, asyncio=True, socket_timeout=10)
     async with FakeWorker(redis_url), AsyncClient(r, MODEL) as c:
         assert (await c.generate("x", max_tokens=1, timeout=5)).token_ids == [0]
     assert await r.ping()  # not closed: the caller owns it
     await r.aclose()
     with pytest.raises(ValueError, match="decode_responses"):
-        AsyncClient(aioredis.Redis.from_url(redis_url, decode_responses=True))
+        AsyncClient(connect(redis_url, asyncio=True, socket_timeout=10, decode_responses=True))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import redis
 from sdk_fake_worker import FakeWorker, wait_for
 
 from producer_sdk import Cancelled, Client, QueueFull, RequestFailed, RequestTimeout
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 
 MODEL = "default"
 
@@ -39,7 +39,7 @@ async def test_generate_stream_result(redis_url, client):
 
 
 async def test_idempotent_and_submit_many(redis_url, client):
-    admin = redis.Redis.from_url(redis_url)
+    admin = connect(redis_url, asyncio=False, socket_timeout=10)
     a = client.submit("x", request_id="sync_request_1")
     b = client.submit("x", request_id="sync_request_1")
     assert b.duplicate and admin.xlen(keys.lane_stream(MODEL)) == 1

@@ -21,7 +21,7 @@ from tests.service.sentinel_proc import SentinelGroup
 from worker import LLM, SamplingParams
 from worker.service.redis_proc import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.single_node]  # its own Sentinel group
 
 DATA_PW, SENTINEL_PW = "data-secret", "sentinel-secret"
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [100, 200, 300, 400], [42] * 9]

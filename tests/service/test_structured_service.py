@@ -13,10 +13,10 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import redis
 
 from producer_sdk import AsyncClient, Client, RequestFailed, ValidationError
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 from producer_sdk.protocol import Started, ToolCalls
 from tests.engine.structured_cases import ORDER_SCHEMA, TOOL_MESSAGES, TOOLS, assert_valid_calls, joined_deltas
 from tests.service.worker_proc import WorkerProc, response_events, wait_until
@@ -106,7 +106,7 @@ def test_greedy_structured_output_is_the_same_offline_and_through_the_sdk(redis_
 
 
 def test_a_bad_schema_is_refused_before_it_is_enqueued_and_a_bad_grammar_by_the_worker(redis_url, worker):
-    admin = redis.Redis.from_url(redis_url)
+    admin = connect(redis_url, asyncio=False, socket_timeout=10)
     with Client(redis_url) as client:
         with pytest.raises(ValidationError) as info:
             client.submit(

@@ -1,7 +1,7 @@
 """Tenants and their quotas against a real redis-server: the enqueue step itself (time passed in, so
-windows need no sleeping), the ack that gives a queued slot back, the final publish that counts a
-request's tokens once, the recount, the SDK's RateLimited (with real workers for tokens_per_minute),
-the `pagedq tenant` command, and the worker's bounded tenant labels."""
+windows need no sleeping), the ack that gives a queued slot back and counts a request's tokens once,
+the recount, the SDK's RateLimited (with real workers for tokens_per_minute), the `pagedq tenant`
+command, and the worker's bounded tenant labels."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 import time
 
 import pytest
-import redis
 
 from producer_sdk import AsyncClient, Client, RateLimited, ValidationError, tenants
-from producer_sdk.contract import keys, scripts
+from producer_sdk.contract import keys, scripts, steps
+from producer_sdk.contract.connection import connect
 from producer_sdk.protocol import Finished, Started, encode_event
 from tests.service.worker_proc import WorkerProc, response_events, wait_until
 from worker.cli import main as pagedq
@@ -27,7 +27,7 @@ T0 = 1_000 * MINUTE  # the start of a window
 
 @pytest.fixture
 def r(redis_url):
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url, asyncio=False, socket_timeout=10)
     for lane in keys.LANES:
         client.xgroup_create(keys.lane_stream(MODEL, lane), GROUP, id="0", mkstream=True)
     yield client
@@ -35,8 +35,10 @@ def r(redis_url):
 
 
 def enqueue(r, rid, tenant, *, now_ms=0, model=MODEL) -> scripts.EnqueueReply:
-    ks, args = scripts.enqueue_call(model, "normal", rid, b"payload", None, 60_000, tenant, now_ms=now_ms)
-    return scripts.read_enqueue(r.register_script(scripts.ENQUEUE)(keys=ks, args=args))
+    """As the SDK submits: the tenant's quota read, then the enqueue step."""
+    quota = scripts.read_quota(r.hmget(keys.tenant_quota(tenant), list(scripts.QUOTA_FIELDS)))
+    ks, args = scripts.enqueue_call(model, "normal", rid, b"payload", None, 60_000, tenant, quota, now_ms=now_ms)
+    return scripts.read_enqueue(steps.ENQUEUE.run_sync(r, ks, args))
 
 
 def queued(r, tenant, model=MODEL) -> int:
@@ -49,25 +51,31 @@ def take(r, consumer="w1") -> tuple[str, dict]:
     return entry_id.decode(), fields
 
 
-def finish(r, rid, entry_id, consumer="w1", *, tenant="default", tokens=0, now_ms=0) -> scripts.PublishReply:
+def finish(r, rid, entry_id, consumer="w1", *, tenant="default", tokens=0, now_ms=0, deliveries=1) -> str:
+    """As a worker ends a request: its lease for this delivery, the final event, the ack. "lost" when
+    another delivery holds the lease, else "ok" when the ack deleted the entry ("done": it was gone)."""
+    epoch = scripts.lease_epoch(entry_id, deliveries)
+    ks, args = scripts.acquire_call(rid, owner=consumer, epoch=epoch, ttl_ms=60_000)
+    if not scripts.read_acquire(steps.ACQUIRE.run_sync(r, ks, args)).ok:
+        return "lost"
     ks, args = scripts.publish_call(
-        MODEL,
-        "normal",
         rid,
-        group=GROUP,
-        consumer=consumer,
-        entry_id=entry_id,
+        owner=consumer,
+        epoch=epoch,
         cap=0,
         live_ttl_ms=60_000,
         result_ttl_ms=60_000,
         first_seq=0,
         events=[encode_event(Finished(seq=0, finish_reason="stop"))],
         final=True,
-        tenant=tenant,
-        tokens=tokens,
-        now_ms=now_ms,
     )
-    return scripts.read_publish(r.register_script(scripts.PUBLISH)(keys=ks, args=args))
+    if scripts.read_publish(steps.PUBLISH.run_sync(r, ks, args)).status != "ok":
+        return "lost"
+    ks, args = scripts.ack_call(
+        MODEL, "normal", rid, group=GROUP, entry_id=entry_id, result_ttl_ms=60_000, tenant=tenant, tokens=tokens,
+        now_ms=now_ms,
+    )  # fmt: skip
+    return "ok" if scripts.read_ack(steps.ACK.run_sync(r, ks, args)) else "done"
 
 
 def time_left_in_window(r, at_least_s: float) -> int:
@@ -84,7 +92,7 @@ def time_left_in_window(r, at_least_s: float) -> int:
 
 def tokens_window(r, tenant) -> tuple[int, int] | None:
     """(window number, tokens) of the tenant's token window hash, None when there is none."""
-    w, n = r.hmget(keys.tenant_tokens(tenant), ["w", "n"])
+    w, n = r.hmget(keys.tenant_tokens(MODEL, tenant), ["w", "n"])
     return None if w is None else (int(w), int(n))
 
 
@@ -99,7 +107,7 @@ def test_max_queued_is_per_tenant_and_per_model(r):
     assert over == scripts.EnqueueReply(
         "limited", queued=2, limit=2, quota="max_queued", retry_after_ms=scripts.QUEUED_RETRY_AFTER_MS
     )
-    assert not r.exists(keys.submitted_marker("req-a-000003"))  # nothing of it was written
+    assert not r.exists(keys.submitted_marker(MODEL, "req-a-000003"))  # nothing of it was written
     assert enqueue(r, "req-b-000001", "team-b").status == "ok"  # another tenant is unaffected
     assert enqueue(r, "req-a-other1", "team-a", model="other").status == "ok"  # another model's queue
     assert (queued(r, "team-a"), queued(r, "team-b"), queued(r, "team-a", "other")) == (2, 1, 1)
@@ -114,9 +122,9 @@ def test_the_ack_gives_the_slot_back_once(r):
     entry_id, _ = take(r)
     assert queued(r, "team-a") == 1  # taken by a worker, not finished: still outstanding
     assert enqueue(r, "req-a-000002", "team-a").status == "limited"
-    assert finish(r, "req-a-000001", entry_id).status == "ok"
+    assert finish(r, "req-a-000001", entry_id) == "ok"
     assert queued(r, "team-a") == 0 and not r.hexists(keys.tenant_queued(MODEL), "team-a")
-    assert finish(r, "req-a-000001", entry_id).status == "done"  # a retry after a lost reply
+    assert finish(r, "req-a-000001", entry_id) == "done"  # a retry after a lost reply
     assert enqueue(r, "req-a-000002", "team-a").status == "ok"
     assert queued(r, "team-a") == 1  # the retry did not count the entry down twice
 
@@ -124,25 +132,26 @@ def test_the_ack_gives_the_slot_back_once(r):
     entry_id, _ = take(r)
     letter = scripts.DeadLetter("", "malformed", "bad", "normal", entry_id, "w1", b"", 0, "", "0-0")
     ks, args = scripts.drop_call(MODEL, "normal", group=GROUP, consumer="w1", entry_id=entry_id, dead_letter=letter)
-    assert r.register_script(scripts.DROP)(keys=ks, args=args) == b"ok"
+    assert steps.DROP.run_sync(r, ks, args) == b"ok"
     assert queued(r, "team-a") == 0
 
 
-def test_requests_per_minute_is_a_window_over_all_models(r):
+def test_requests_per_minute_is_a_window_per_model(r):
     tenants.set_quota(r, "team-a", requests_per_minute=2)
     assert enqueue(r, "req-a-000001", "team-a", now_ms=T0 + 500).status == "ok"
-    assert enqueue(r, "req-a-000002", "team-a", now_ms=T0 + 900, model="other").status == "ok"
+    assert enqueue(r, "req-a-000002", "team-a", now_ms=T0 + 900).status == "ok"
     over = enqueue(r, "req-a-000003", "team-a", now_ms=T0 + 1_000)
     assert over.status == "limited" and over.quota == "requests_per_minute"
     assert (over.queued, over.limit, over.retry_after_ms) == (2, 2, MINUTE - 1_000)
+    assert enqueue(r, "req-a-other1", "team-a", now_ms=T0 + 1_000, model="other").status == "ok"  # its own window
     # A resubmit of an accepted id follows it and is not counted; a refused request is not counted.
     assert enqueue(r, "req-a-000001", "team-a", now_ms=T0 + 2_000).status == "duplicate"
-    assert r.hmget(keys.tenant_rate("team-a"), ["w", "n"]) == [str(T0 // MINUTE).encode(), b"2"]
+    assert r.hmget(keys.tenant_rate(MODEL, "team-a"), ["w", "n"]) == [str(T0 // MINUTE).encode(), b"2"]
     assert enqueue(r, "req-b-000001", "team-b", now_ms=T0 + 2_000).status == "ok"  # no quota: unlimited
     # The next window starts from zero.
     assert enqueue(r, "req-a-000003", "team-a", now_ms=T0 + MINUTE).status == "ok"
-    assert r.hget(keys.tenant_rate("team-a"), "n") == b"1"
-    assert 0 < r.pttl(keys.tenant_rate("team-a")) <= 2 * MINUTE
+    assert r.hget(keys.tenant_rate(MODEL, "team-a"), "n") == b"1"
+    assert 0 < r.pttl(keys.tenant_rate(MODEL, "team-a")) <= 2 * MINUTE
 
 
 def test_requests_per_minute_on_the_redis_clock(r):
@@ -158,70 +167,65 @@ def test_tokens_per_minute_refuses_once_the_window_is_used(r):
     window = T0 // MINUTE
     assert enqueue(r, "req-tok-00001", "team-a", now_ms=T0 + 100).status == "ok"
     entry_id, _ = take(r)
-    assert finish(r, "req-tok-00001", entry_id, tenant="team-a", tokens=60, now_ms=T0 + 500).status == "ok"
+    assert finish(r, "req-tok-00001", entry_id, tenant="team-a", tokens=60, now_ms=T0 + 500) == "ok"
     assert tokens_window(r, "team-a") == (window, 60)
     # 60 of 100 used: admitted (consumption is measured after the fact, so this one may overshoot).
     assert enqueue(r, "req-tok-00002", "team-a", now_ms=T0 + 1_000).status == "ok"
     entry_id, _ = take(r)
-    assert finish(r, "req-tok-00002", entry_id, tenant="team-a", tokens=50, now_ms=T0 + 1_500).status == "ok"
+    assert finish(r, "req-tok-00002", entry_id, tenant="team-a", tokens=50, now_ms=T0 + 1_500) == "ok"
     assert tokens_window(r, "team-a") == (window, 110)
     over = enqueue(r, "req-tok-00003", "team-a", now_ms=T0 + 2_000)
     assert over == scripts.EnqueueReply(
         "limited", queued=110, limit=100, quota="tokens_per_minute", retry_after_ms=MINUTE - 2_000
     )
-    assert not r.exists(keys.submitted_marker("req-tok-00003"))  # nothing of it was written
-    assert enqueue(r, "req-tok-other", "team-a", now_ms=T0 + 2_000, model="other").status == "limited"  # all models
+    assert not r.exists(keys.submitted_marker(MODEL, "req-tok-00003"))  # nothing of it was written
+    assert enqueue(r, "req-tok-other", "team-a", now_ms=T0 + 2_000, model="other").status == "ok"  # per model
     assert enqueue(r, "req-tok-b0001", "team-b", now_ms=T0 + 2_000).status == "ok"  # another tenant
     take(r)  # (team-b's entry, left running)
-    assert 0 < r.pttl(keys.tenant_tokens("team-a")) <= 2 * MINUTE
+    assert 0 < r.pttl(keys.tenant_tokens(MODEL, "team-a")) <= 2 * MINUTE
     # Exactly at the limit is refused too; the next window starts from zero.
-    r.hset(keys.tenant_tokens("team-a"), "n", 100)
+    r.hset(keys.tenant_tokens(MODEL, "team-a"), "n", 100)
     assert enqueue(r, "req-tok-00003", "team-a", now_ms=T0 + MINUTE - 1).retry_after_ms == 1
     assert enqueue(r, "req-tok-00003", "team-a", now_ms=T0 + MINUTE).status == "ok"
     entry_id, _ = take(r)
-    assert finish(r, "req-tok-00003", entry_id, tenant="team-a", tokens=7, now_ms=T0 + MINUTE + 10).status == "ok"
+    assert finish(r, "req-tok-00003", entry_id, tenant="team-a", tokens=7, now_ms=T0 + MINUTE + 10) == "ok"
     assert tokens_window(r, "team-a") == (window + 1, 7)
 
 
-def test_a_final_publish_counts_the_tokens_once(r):
+def test_the_ack_counts_the_tokens_once(r):
     tenants.set_quota(r, "team-a", tokens_per_minute=1_000)
     enqueue(r, "req-once-0001", "team-a")
     entry_id, _ = take(r)
-    assert finish(r, "req-once-0001", entry_id, tenant="team-a", tokens=30, now_ms=T0).status == "ok"
-    # The same final call again (its reply was lost): the entry is gone, the tokens are not added again.
-    assert finish(r, "req-once-0001", entry_id, tenant="team-a", tokens=30, now_ms=T0).status == "done"
+    assert finish(r, "req-once-0001", entry_id, tenant="team-a", tokens=30, now_ms=T0) == "ok"
+    # The same calls again (their replies were lost): the entry is gone, the tokens are not added again.
+    assert finish(r, "req-once-0001", entry_id, tenant="team-a", tokens=30, now_ms=T0) == "done"
     assert tokens_window(r, "team-a") == (T0 // MINUTE, 30)
 
-    # A worker that lost the entry to another writes nothing and counts nothing.
+    # A worker whose delivery another worker took over writes nothing and counts nothing.
     enqueue(r, "req-once-0002", "team-a")
     entry_id, _ = take(r)
-    r.xclaim(keys.lane_stream(MODEL), GROUP, "w2", 0, [entry_id])
-    assert finish(r, "req-once-0002", entry_id, tenant="team-a", tokens=40, now_ms=T0).status == "lost"
-    assert tokens_window(r, "team-a") == (T0 // MINUTE, 30)
-    assert finish(r, "req-once-0002", entry_id, "w2", tenant="team-a", tokens=40, now_ms=T0).status == "ok"
+    r.xclaim(keys.lane_stream(MODEL), GROUP, "w2", 0, [entry_id])  # the second delivery
+    assert finish(r, "req-once-0002", entry_id, "w2", tenant="team-a", tokens=40, now_ms=T0, deliveries=2) == "ok"
+    assert finish(r, "req-once-0002", entry_id, "w1", tenant="team-a", tokens=40, now_ms=T0) == "lost"
     assert tokens_window(r, "team-a") == (T0 // MINUTE, 70)
 
     # Counted only for the entry's own tenant: an older SDK's entry (no `t`) counts against nothing,
     # nor does a tenant given that is not the entry's.
     r.xadd(keys.lane_stream(MODEL), {"id": "req-old-sdk-01", "d": b"p"})
     entry_id, _ = take(r)
-    assert finish(r, "req-old-sdk-01", entry_id, tenant="team-a", tokens=50, now_ms=T0).status == "ok"
+    assert finish(r, "req-old-sdk-01", entry_id, tenant="team-a", tokens=50, now_ms=T0) == "ok"
     enqueue(r, "req-once-0003", "team-b")
     entry_id, _ = take(r)
-    assert finish(r, "req-once-0003", entry_id, tenant="team-a", tokens=50, now_ms=T0).status == "ok"
+    assert finish(r, "req-once-0003", entry_id, tenant="team-a", tokens=50, now_ms=T0) == "ok"
     assert tokens_window(r, "team-a") == (T0 // MINUTE, 70)
 
-    # A tenant without a tokens_per_minute quota is not counted (no window is written).
+    # A tenant without a tokens_per_minute quota is counted all the same (a quota set later applies at
+    # once); the window expires on its own.
     enqueue(r, "req-once-0004", "team-c")
     entry_id, _ = take(r)
-    assert finish(r, "req-once-0004", entry_id, tenant="team-c", tokens=50, now_ms=T0).status == "ok"
-    assert not r.exists(keys.tenant_tokens("team-c"))
-    # A non-final batch carries no tokens.
-    _, args = scripts.publish_call(
-        MODEL, "normal", "req-x", group=GROUP, consumer="w1", entry_id="1-0", cap=0, live_ttl_ms=1,
-        result_ttl_ms=1, first_seq=0, events=[], final=False, tenant="team-a", tokens=50,
-    )  # fmt: skip
-    assert args[8:10] == ["team-a", 0]
+    assert finish(r, "req-once-0004", entry_id, tenant="team-c", tokens=50, now_ms=T0) == "ok"
+    assert r.hget(keys.tenant_tokens(MODEL, "team-c"), "n") == b"50"
+    assert 0 < r.pttl(keys.tenant_tokens(MODEL, "team-c")) <= 2 * MINUTE
 
 
 def test_recount_repairs_the_counts(r):
@@ -270,7 +274,9 @@ def test_a_worker_counts_finished_tokens_and_the_next_submit_is_refused(llama_di
             done = a.generate("hello there", max_tokens=4, temperature=0, ignore_eos=True, timeout=60)
             used = done.usage.prompt_tokens + done.usage.completion_tokens
             assert done.usage.completion_tokens == 4 and used > 5  # admitted under the limit, overshoots it
-            assert tokens_window(r, "team-a") == (window, used)  # written with the final event
+            # Counted by the ack, which follows the final event the reader has just seen.
+            wait_until(lambda: tokens_window(r, "team-a") is not None, 10, "the ack's token count")
+            assert tokens_window(r, "team-a") == (window, used)
             with pytest.raises(RateLimited) as e:
                 a.submit("again", max_tokens=4)
             assert (e.value.tenant, e.value.quota, e.value.used, e.value.limit) == (
@@ -282,7 +288,8 @@ def test_a_worker_counts_finished_tokens_and_the_next_submit_is_refused(llama_di
             assert 0 < e.value.retry_after <= 60
             other = b.generate("another tenant", max_tokens=2, temperature=0, ignore_eos=True, timeout=60)
             assert other.finish_reason == "length"
-            assert not r.exists(keys.tenant_tokens("team-b"))  # no tokens_per_minute quota: not counted
+            wait_until(lambda: tokens_window(r, "team-b") is not None, 10, "the ack's token count")
+            assert tokens_window(r, "team-b")[1] == other.usage.prompt_tokens + 2  # counted, though unlimited
     finally:
         w.stop()
 
@@ -299,13 +306,14 @@ def test_a_request_resumed_after_a_crash_counts_its_tokens_once(llama_dir, redis
             before = time_left_in_window(r, 0)
             handle = a.submit("resume me", max_tokens=8, temperature=0, ignore_eos=True)
             wait_until(lambda: doomed.proc.poll() is not None, 60, "the doomed worker's exit")
-            assert not r.exists(keys.tenant_tokens("team-a"))  # nothing counted without the final publish
+            assert not r.exists(keys.tenant_tokens(MODEL, "team-a"))  # nothing counted without the final event
             rescuer.start()
             done = handle.result(timeout=60)
             after = time_left_in_window(r, 0)
         starts = [e for e in response_events(redis_url, handle.request_id) if isinstance(e, Started)]
         assert [s.worker for s in starts] == ["doomed", "rescuer"]  # it was resumed
         assert done.usage.completion_tokens == 8  # all of them, the doomed worker's included
+        wait_until(lambda: tokens_window(r, "team-a") is not None, 10, "the ack's token count")
         window, used = tokens_window(r, "team-a")
         assert before <= window <= after and used == done.usage.prompt_tokens + done.usage.completion_tokens
     finally:
@@ -344,7 +352,7 @@ def test_tenant_command(redis_url, r, capsys):
         "requests_per_minute": 10,
         "tokens_per_minute": 0,
     }
-    assert rows["team-a"]["queued"] == {MODEL: 1} and rows["team-a"]["requests_this_minute"] == 0
+    assert rows["team-a"]["queued"] == {MODEL: 1} and rows["team-a"]["requests_this_minute"] == {MODEL: 0}
     assert rows["team-b"]["queued"] == {MODEL: 1} and rows["team-b"]["requests_this_minute"] is None
     assert pagedq(["tenant", "show", "team-a", *url]) == 0
     assert "team-a" in capsys.readouterr().out
@@ -365,19 +373,20 @@ def test_tenant_command_tokens_per_minute(redis_url, r, capsys):
     enqueue(r, "req-cli-tok01", "team-t")
     time_left_in_window(r, 5)
     entry_id, _ = take(r)
-    assert finish(r, "req-cli-tok01", entry_id, tenant="team-t", tokens=120).status == "ok"  # the Redis clock
+    assert finish(r, "req-cli-tok01", entry_id, tenant="team-t", tokens=120) == "ok"  # the Redis clock
     capsys.readouterr()
     assert pagedq(["tenant", "show", "team-t", "--json", *url]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["quota"] == {"tenant": "team-t", "max_queued": 2, "requests_per_minute": 0, "tokens_per_minute": 500}
-    assert (row["tokens_this_minute"], row["requests_this_minute"]) == (120, None)
+    assert (row["tokens_this_minute"], row["requests_this_minute"]) == ({MODEL: 120}, None)
     assert pagedq(["tenant", "show", "team-t", *url]) == 0
     header, line = capsys.readouterr().out.splitlines()
-    assert "tok/min" in header and line.split() == ["team-t", "2", "-", "-", "500", "120", "0"]
-    assert tenants.usage(r, tenants=["team-t"])[0].tokens_this_minute == 120
+    assert "tok/min" in header
+    assert line.split() == ["team-t", "2", "-", "500", f"{MODEL}:", "queued", "0,", "120", "tok", "this", "min"]
+    assert tenants.usage(r, tenants=["team-t"])[0].tokens_this_minute == {MODEL: 120}
     assert pagedq(["tenant", "set", "team-t", "--tokens-per-minute", "-1", *url]) == 1
     assert pagedq(["tenant", "delete", "team-t", *url]) == 0
-    assert not r.exists(keys.tenant_tokens("team-t"))
+    assert not r.exists(keys.tenant_tokens(MODEL, "team-t"))
 
 
 # --- the worker's side ------------------------------------------------------------------------------

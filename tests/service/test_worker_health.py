@@ -7,10 +7,9 @@ import signal
 import urllib.error
 import urllib.request
 
-import redis
-
 from producer_sdk import Client
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 from tests.service.worker_proc import WorkerProc, wait_until
 
 
@@ -56,7 +55,11 @@ def test_not_ready_while_draining(llama_dir, redis_url):
         with Client(redis_url) as client:
             handle = client.submit("long", max_tokens=200, ignore_eos=True)
             wait_until(lambda: probe(w, "/ready")[0] == 200, what="ready")
-            wait_until(lambda: redis.Redis.from_url(redis_url).exists(keys.response_stream(handle.request_id)))
+            wait_until(
+                lambda: connect(redis_url, asyncio=False, socket_timeout=10).exists(
+                    keys.response_stream(handle.request_id)
+                )
+            )
             w.signal(signal.SIGTERM)
             _, body = wait_until(lambda: (s := probe(w, "/ready"))[0] == 503 and s, what="not ready")
             assert body["draining"] is True

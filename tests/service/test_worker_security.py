@@ -12,8 +12,11 @@ import redis
 
 from producer_sdk import Client, PermissionDenied, tenants
 from producer_sdk.contract import keys
-from tests.service.worker_proc import WorkerProc
+from producer_sdk.contract.connection import connect
+from tests.service.worker_proc import WorkerProc, wait_until
 from worker.service.redis_proc import RedisProcess, free_port
+
+pytestmark = pytest.mark.single_node  # ACL users and TLS on one server
 
 README = Path(__file__).resolve().parents[2] / "ops" / "README.md"
 
@@ -32,7 +35,7 @@ def documented_acl(user: str) -> list[str]:
 
 @pytest.fixture
 def acl(redis_url):
-    admin = redis.Redis.from_url(redis_url)
+    admin = connect(redis_url, asyncio=False, socket_timeout=10)
     parts = urlsplit(redis_url)
 
     def user(template: str, name: str, password: str, **replace: str) -> str:
@@ -55,18 +58,19 @@ def test_documented_acls_isolate_tenants(llama_dir, redis_url, acl):
     worker_url = acl("pagedq-worker", "pagedq-worker", "worker-pw")
     tenant_a = acl("tenant-a", "tenant-a", "pw-a")
     tenant_b = acl("tenant-a", "tenant-b", "pw-b")
-    admin = redis.Redis.from_url(redis_url)
-    tenants.set_quota(admin, "tenant-a", tokens_per_minute=10_000)  # the worker's final publish counts tokens
+    admin = connect(redis_url, asyncio=False, socket_timeout=10)
+    tenants.set_quota(admin, "tenant-a", tokens_per_minute=10_000)  # the worker's ack counts tokens
     w = WorkerProc(llama_dir, worker_url, model="tenant-a", metrics=False).start()
     try:
         with Client(tenant_a, model="tenant-a", tenant="tenant-a") as a:
             res = a.generate("hello from a", max_tokens=5, temperature=0, ignore_eos=True, timeout=60)
             assert res.finish_reason == "length" and len(res.token_ids) == 5
-        used = int(admin.hget(keys.tenant_tokens("tenant-a"), "n"))
+        counted = lambda: admin.hget(keys.tenant_tokens("tenant-a", "tenant-a"), "n")  # by the ack, just after
+        used = int(wait_until(counted, 10, "the ack's token count"))
         assert used == res.usage.prompt_tokens + res.usage.completion_tokens
         with Client(tenant_b, model="tenant-a", tenant="tenant-b") as b, pytest.raises(PermissionDenied):
             b.submit("b writes into a's queue", max_tokens=5)
-        raw_b = redis.Redis.from_url(tenant_b)
+        raw_b = connect(tenant_b, asyncio=False, socket_timeout=10)
         with pytest.raises(redis.exceptions.NoPermissionError):
             raw_b.scan(0)  # request ids cannot be listed
         with pytest.raises(redis.exceptions.NoPermissionError):

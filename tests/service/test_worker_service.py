@@ -7,13 +7,13 @@ import random
 
 import msgspec
 import pytest
-import redis
 
 from producer_sdk import AsyncClient, Client
 from producer_sdk.contract import keys
+from producer_sdk.contract.connection import connect
 from producer_sdk.errors import Cancelled, RequestFailed
 from producer_sdk.protocol import Error, Finished, Started, Tokens
-from tests.service.worker_proc import WorkerProc, response_events, wait_until
+from tests.service.worker_proc import WorkerProc, response_events, wait_acked, wait_until
 from worker import LLM, SamplingParams
 
 
@@ -64,9 +64,7 @@ def test_200_requests_match_the_offline_engine(llama_dir, redis_url, worker, pro
         check_stream(events)
         assert isinstance(events[0], Started) and events[0].worker == "w1"
         assert res.usage.completion_tokens == len(res.token_ids)
-    r = redis.Redis.from_url(redis_url)
-    assert r.xlen(keys.lane_stream("default")) == 0  # every entry acked and deleted
-    assert r.xpending(keys.lane_stream("default"), keys.group("default"))["pending"] == 0
+    wait_acked(redis_url)  # every entry acked and deleted
 
 
 def test_late_reader_reads_everything(redis_url, worker):
@@ -140,7 +138,7 @@ MALFORMED = {
 
 
 def test_malformed_entries_are_refused_and_good_ones_served(redis_url, worker):
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url, asyncio=False, socket_timeout=10)
     stream = keys.lane_stream("default")
     entry_ids = {}
     with Client(redis_url) as client:
@@ -205,7 +203,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(llama_dir, redis_url):
         for h in handles:
             assert len(h.result(timeout=60).token_ids) == 30
     assert w.wait(60) == 0
-    assert not redis.Redis.from_url(redis_url).exists(keys.worker_state("default", "w1"))
+    assert not connect(redis_url, asyncio=False, socket_timeout=10).exists(keys.worker_state("default", "w1"))
 
 
 def test_sigkill_with_requests_in_flight_then_another_worker_resumes(llama_dir, redis_url):
@@ -213,7 +211,8 @@ def test_sigkill_with_requests_in_flight_then_another_worker_resumes(llama_dir, 
     llm = LLM(model=str(llama_dir), dtype="float32", device="cpu")
     reference = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True), use_tqdm=False)
 
-    first = WorkerProc(llama_dir, redis_url, "--max-num-seqs", "32", name="first", metrics=False).start()
+    slow = {"PAGEDQ_FAULT_STEP_DELAY_S": "0.02"}  # each step at least 20 ms: surely mid-flight when killed
+    first = WorkerProc(llama_dir, redis_url, "--max-num-seqs", "32", name="first", metrics=False, env=slow).start()
 
     async def main():
         async with AsyncClient(redis_url) as client:
@@ -300,6 +299,7 @@ def test_sdk_against_a_real_worker_chat_timeout_queue_full(llama_dir, redis_url)
         w.stop()
 
 
+@pytest.mark.single_node
 def test_arq_bridge_through_a_real_worker(llama_dir, redis_url):
     from arq.connections import RedisSettings, create_pool
 

@@ -148,3 +148,19 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition", interval: f
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_acked(redis_url: str, model: str = "default", timeout: float = 30.0) -> None:
+    """Until every entry of the model's lanes is acked and deleted. A reader sees a request's final
+    event one round trip before the worker acks its entry (the ack follows the final event)."""
+    r = connect(redis_url, asyncio=False, socket_timeout=10)
+    group = keys.group(model)
+
+    def acked() -> bool:
+        lanes = [keys.lane_stream(model, lane) for lane in keys.LANES]
+        return all(r.xlen(s) == 0 and (not r.exists(s) or r.xpending(s, group)["pending"] == 0) for s in lanes)
+
+    try:
+        wait_until(acked, timeout, f"every entry of {model} acked")
+    finally:
+        r.close()

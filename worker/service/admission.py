@@ -15,12 +15,14 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
 from producer_sdk.chat import structured_outputs_for
-from producer_sdk.contract import keys
+from producer_sdk.contract import keys, scripts, steps
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD
 from producer_sdk.contract.redis_errors import is_transient
 from producer_sdk.errors import MalformedPayload, ProtocolError
@@ -32,8 +34,17 @@ from worker.service.closer import EntryCloser
 from worker.service.inflight import Entry, InFlight, InFlightTable
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
-from worker.service.replay import CorruptStream, Resume, read_previous_attempts
+from worker.service.replay import CorruptStream, Resume, replay
 from worker.service.tracing import RequestTracer
+
+
+@dataclass
+class Taken:
+    """What taking an entry's lease found."""
+
+    cancelled: bool
+    lease: scripts.AcquireReply
+    stream: Any  # XRANGE of the response stream
 
 
 class Admission:
@@ -50,6 +61,7 @@ class Admission:
         recently_cancelled: Callable[[str], bool],
         wake_engine: Callable[[], None],
         consumer: str,
+        lease_ttl_ms: int,
         tracer: RequestTracer | None = None,
     ) -> None:
         self.redis = redis
@@ -62,6 +74,7 @@ class Admission:
         self.recently_cancelled = recently_cancelled
         self.wake_engine = wake_engine
         self.tracer = tracer
+        self.consumer, self.lease_ttl_ms = consumer, lease_ttl_ms
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.mean_seats: float | None = None  # moving average of n over decoded requests
         self.log = get_logger("pagedq.intake", worker=consumer)
@@ -77,14 +90,13 @@ class Admission:
 
     async def admit(self, entries: list[Entry]) -> None:
         """New entries, each on its own."""
-        cancelled = await self._cancel_flags([e.request_id for e in entries])
-        for e, is_cancelled in zip(entries, cancelled, strict=True):
-            await self._guarded(e, self._admit_one(e, None, is_cancelled))
+        for e, taken in zip(entries, await self._take(entries), strict=True):
+            await self._guarded(e, self._admit_taken(e, taken, reclaimed=False))
 
     async def resume(self, entries: list[Entry]) -> None:
         """Entries taken over from a dead worker: finished ones are only acked, the rest resume."""
-        for e in entries:
-            await self._guarded(e, self._resume_one(e))
+        for e, taken in zip(entries, await self._take(entries), strict=True):
+            await self._guarded(e, self._admit_taken(e, taken, reclaimed=True))
 
     async def _guarded(self, e: Entry, work) -> None:
         """Run one entry's admission; anything but a Redis outage ends that entry alone."""
@@ -100,30 +112,77 @@ class Admission:
             msg = f"the worker could not admit this request: {type(err).__name__}: {err}"
             await self.closer.refuse(e, e.request_id, "internal_error", msg, seq=None)
 
-    async def _resume_one(self, e: Entry) -> None:
+    async def _take(self, entries: list[Entry]) -> list[Taken | None]:
+        """For each entry with a request id (and not running here already): its cancel flag, then its
+        lease for this delivery, then what its response stream holds (read after the lease is ours,
+        so no earlier attempt writes after it), all in one round trip. None for the others."""
+        calls: list[steps.Call | steps.Cmd] = []
+        mine = [e for e in entries if self._takes_lease(e)]
+        for e in mine:
+            rid = e.request_id or ""
+            ks, args = scripts.acquire_call(rid, owner=self.consumer, epoch=e.epoch, ttl_ms=self.lease_ttl_ms)
+            calls += [steps.Cmd("EXISTS", keys.cancel_flag(rid)), (steps.ACQUIRE, ks, args)]
+            calls.append(steps.Cmd("XRANGE", keys.response_stream(rid), "-", "+"))
+        replies = await steps.run_many(self.redis, calls, resend_all=True) if calls else []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply  # the pull loop retries transient errors; the entries stay pending
+        got = {
+            e.entry_id: Taken(bool(replies[3 * i]), scripts.read_acquire(replies[3 * i + 1]), replies[3 * i + 2])
+            for i, e in enumerate(mine)
+        }
+        return [got.get(e.entry_id) for e in entries]
+
+    def _takes_lease(self, e: Entry) -> bool:
+        rec = self.inflight.get(e.request_id or "")
+        return e.request_id is not None and rec is None
+
+    async def _admit_taken(self, e: Entry, taken: Taken | None, *, reclaimed: bool) -> None:
         rid = e.request_id
-        if rid is None:
-            await self._admit_one(e, None, False)  # decoding refuses it with the right error
+        if taken is None:
+            mine = self.inflight.get(rid or "")
+            if mine is not None and mine.entry_id == e.entry_id:
+                return  # our own entry, renewed late: the claim just reset its idle time
+            if mine is not None:  # another entry of a request running here: its lease is not this one's
+                await self.closer.refuse(e, rid, "duplicate", "request id already running here", seq=None)
+                return
+            await self._admit_one(e, None, False)  # no request id: decoding refuses it
             return
-        mine = self.inflight.get(rid)
-        if mine is not None and mine.entry_id == e.entry_id:
-            return  # our own entry, renewed late: the claim just reset its idle time
+        assert rid is not None
+        if not taken.lease.ok:
+            await self._stale(e, rid, taken.lease)
+            return
         try:
-            resume = await read_previous_attempts(self.redis, rid)
+            resume = replay(taken.stream, rid)
         except CorruptStream as err:
             await self.closer.refuse(e, rid, "stream_corrupt", str(err), seq=None)
             return
-        if resume.finished:  # the final event made it, the ack did not: just ack
-            await self.closer.ack(e, rid, resume.next_seq - 1)
+        if resume.finished and reclaimed:  # the final event made it, the ack did not: just ack
+            await self.closer.ack(e, rid, tokens=resume.used_tokens)
+            return
+        if resume.finished:  # a new entry of a request already answered: a duplicate submission
+            await self.closer.refuse(e, rid, "duplicate", "this request id was already answered", seq=None)
             return
         if e.deliveries > self.max_deliveries:
             msg = f"delivered {e.deliveries} times without finishing (max_deliveries={self.max_deliveries})"
             await self.closer.refuse(e, rid, "max_deliveries", msg, seq=resume.next_seq, attempt=resume.attempt)
             return
-        self.metrics.labels(self.metrics.reclaimed).inc()
-        self.log.info("resuming request", request_id=rid, attempt=resume.attempt, delivered=resume.tokens)
-        cancelled = (await self._cancel_flags([rid]))[0]
-        await self._admit_one(e, resume, cancelled)
+        if reclaimed or resume.next_seq:
+            self.metrics.labels(self.metrics.reclaimed).inc()
+            self.log.info("resuming request", request_id=rid, attempt=resume.attempt, delivered=resume.tokens)
+            await self._admit_one(e, resume, taken.cancelled)
+        else:
+            await self._admit_one(e, None, taken.cancelled)
+
+    async def _stale(self, e: Entry, request_id: str, lease: scripts.AcquireReply) -> None:
+        """A newer delivery holds the request's lease. Of this entry: another worker runs it now (nothing
+        to do here). Of a newer entry of the same request (a resubmit): this one is a duplicate."""
+        holder = scripts.epoch_entry(lease.holder_epoch or "")
+        if holder == e.entry_id or not scripts.entry_newer(holder, e.entry_id):
+            self.log.info("entry taken over by another worker", request_id=request_id, holder=lease.holder)
+            return
+        msg = f"a newer entry ({holder}) of this request id runs it"
+        await self.closer.refuse(e, request_id, "duplicate", msg, seq=None)
 
     async def _admit_one(self, e: Entry, resume: Resume | None, is_cancelled: bool) -> None:
         req = await self._decode(e)
@@ -163,12 +222,6 @@ class Admission:
             await self.closer.refuse(e, e.request_id, "schema", msg, seq=0)
             return None
         return req
-
-    async def _cancel_flags(self, request_ids: list[str | None]) -> list[bool]:
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in request_ids:
-            pipe.exists(keys.cancel_flag(rid or ""))
-        return [bool(x) for x in await pipe.execute()]
 
     # --- into the engine ----------------------------------------------------------------------
 

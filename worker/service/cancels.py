@@ -1,9 +1,11 @@
 """Cancels: the control channel (pub/sub) for speed, the cancel flags for certainty.
 
 Pub/sub drops messages while disconnected, so `sweep` also reads the flags of everything in flight
-now and then. A cancel is remembered for a while, for the request that is between intake's flag
-check and the engine when its message arrives. A request the intake holds for fair share (read, not
-admitted) is handed to `on_held_cancel`, which answers it at once instead of at its turn.
+now and then. On Redis Cluster a PUBLISH reaches every node's subscribers: the worker subscribes on
+one node, and on another when that one fails. A cancel is remembered for a while, for the request
+that is between intake's flag check and the engine when its message arrives. A request the intake
+holds for fair share (read, not admitted) is handed to `on_held_cancel`, which answers it at once
+instead of at its turn.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from producer_sdk.contract import keys
+from producer_sdk.contract.cluster import is_cluster, node_client
 from producer_sdk.contract.redis_errors import is_transient
 from producer_sdk.errors import ProtocolError
 from producer_sdk.protocol import decode_control
@@ -51,10 +54,16 @@ class Cancels:
 
     async def listen(self) -> None:
         backoff = Backoff(max_s=5.0)
+        channel = keys.control_channel(self.model)
+        failures = 0
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            node = None  # on a cluster: a client of the one node subscribed to
+            pubsub = None
             try:
-                await pubsub.subscribe(keys.control_channel(self.model))
+                if is_cluster(self.redis):
+                    node = await node_client(self.redis, channel, failures)
+                pubsub = (node or self.redis).pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(channel)
                 await self.sweep()
                 backoff.reset()
                 while True:  # short reads: an idle channel must not look like a dead connection
@@ -64,10 +73,14 @@ class Cancels:
             except Exception as e:
                 if not is_transient(e):
                     raise
+                failures += 1
                 self.log.warning("control channel lost, resubscribing", error=str(e))
                 await asyncio.sleep(backoff.next())
             finally:
-                await pubsub.aclose()
+                if pubsub is not None:
+                    await pubsub.aclose()
+                if node is not None:
+                    await node.aclose()
 
     def _on_message(self, data) -> None:
         try:

@@ -1,4 +1,9 @@
-"""Ends request entries without the engine, each in one atomic, fenced and idempotent contract step.
+"""Ends request entries: a final event fenced on the request's lease, then the ack of its entry.
+
+The two are separate contract steps (each in its own hash slot, for Redis Cluster), in this order:
+an entry is acked only once its final event is stored, and both steps are idempotent, so a crash or
+a lost reply between them leaves a pending entry whose next worker finds the final event and only
+acks.
 
 - `answer`: a final event and the ack (a request cancelled or past its deadline while queued).
 - `refuse`: an `Error` event where the request can be addressed, a dead letter and the ack (an
@@ -14,7 +19,7 @@ import time
 import msgspec
 import redis.asyncio as aioredis
 
-from producer_sdk.contract import scripts
+from producer_sdk.contract import scripts, steps
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD
 from producer_sdk.contract.scripts import DeadLetter
 from producer_sdk.protocol import Error, Finished, encode_event
@@ -42,20 +47,32 @@ class EntryCloser:
         self.model, self.group, self.consumer = model, group, consumer
         self.result_ttl_ms, self.dead_letter_ttl_ms = result_ttl_ms, dead_letter_ttl_ms
         self.metrics = metrics
-        self._publish = redis.register_script(scripts.PUBLISH)
-        self._drop = redis.register_script(scripts.DROP)
         self.log = get_logger("pagedq.intake", worker=consumer)
 
     async def answer(self, e: Entry, request_id: str, event: Finished) -> None:
-        await self._call_publish(e, request_id, event.seq, event, None)
+        if not await self._final(e, request_id, event.seq, event, None):
+            return
         self.metrics.labels(self.metrics.requests_finished, finished_reason=event.finish_reason).inc()
         self.metrics.tenant_finished(e.tenant, event.finish_reason)
         self.log.info(
             "answered without compute", request_id=request_id, finish_reason=event.finish_reason, tenant=e.tenant
         )
 
-    async def ack(self, e: Entry, request_id: str, last_seq: int) -> None:
-        await self._call_publish(e, request_id, last_seq + 1, None, None)
+    async def ack(self, e: Entry, request_id: str, *, tokens: int = 0, dead_letter: DeadLetter | None = None) -> bool:
+        """Ack (and delete) a finished request's entry; `tokens` go to its tenant's token window.
+        Whether this call deleted the entry."""
+        ks, args = scripts.ack_call(
+            self.model,
+            e.lane,
+            request_id,
+            group=self.group,
+            entry_id=e.entry_id,
+            result_ttl_ms=self.result_ttl_ms,
+            tenant=e.tenant,
+            tokens=tokens,
+            dead_letter=dead_letter,
+        )
+        return scripts.read_ack(await retrying(lambda: steps.ACK.run(self.redis, ks, args), self._on_retry))
 
     async def refuse(
         self, e: Entry, request_id: str | None, code: str, message: str, *, seq: int | None, attempt: int = 1
@@ -64,14 +81,15 @@ class EntryCloser:
         letter = self._letter(e, request_id, code, message)
         if request_id is not None and seq is not None:
             error = Error(seq=seq, attempt=attempt, code=code, message=message)
-            await self._call_publish(e, request_id, seq, error, letter)
+            if not await self._final(e, request_id, seq, error, letter):
+                return
             self.metrics.labels(self.metrics.requests_failed, code=code).inc()
             self.metrics.tenant_finished(e.tenant, "error")
         else:
             ks, args = scripts.drop_call(
                 self.model, e.lane, group=self.group, consumer=self.consumer, entry_id=e.entry_id, dead_letter=letter
             )
-            await retrying(lambda: self._drop(keys=ks, args=args), self._on_retry)
+            await retrying(lambda: steps.DROP.run(self.redis, ks, args), self._on_retry)
         self.metrics.labels(self.metrics.dead_letters, code=code).inc()
         self.log.warning(
             "dead-lettered", request_id=request_id, code=code, reason=message, entry=e.entry_id, tenant=e.tenant
@@ -94,32 +112,34 @@ class EntryCloser:
             min_id=f"{max(now_ms - self.dead_letter_ttl_ms, 0)}-0",
         )
 
-    async def _call_publish(
-        self, e: Entry, request_id: str, first_seq: int, event: Finished | Error | None, letter: DeadLetter | None
-    ) -> None:
+    async def _final(
+        self, e: Entry, request_id: str, first_seq: int, event: Finished | Error, letter: DeadLetter | None
+    ) -> bool:
+        """Write the final event under this delivery's lease, then ack; False when another attempt
+        holds the lease (it ends the request: nothing is written or acked here)."""
         ks, args = scripts.publish_call(
-            self.model,
-            e.lane,
             request_id,
-            group=self.group,
-            consumer=self.consumer,
-            entry_id=e.entry_id,
+            owner=self.consumer,
+            epoch=e.epoch,
             cap=0,
             live_ttl_ms=self.result_ttl_ms,
             result_ttl_ms=self.result_ttl_ms,
             first_seq=first_seq,
-            events=[encode_event(event)] if event is not None else [],
+            events=[encode_event(event)],
             final=True,
-            dead_letter=letter,
         )
-        reply = scripts.read_publish(await retrying(lambda: self._publish(keys=ks, args=args), self._on_retry))
+        reply = scripts.read_publish(await retrying(lambda: steps.PUBLISH.run(self.redis, ks, args), self._on_retry))
+        if reply.status == "lost":
+            self.log.warning("another attempt holds the request now", request_id=request_id, entry=e.entry_id)
+            return False
         if reply.status == "gap":
             # The stream ends before `first_seq` (it expired, or Redis lost writes in a failover): end
             # it where it ends, so its readers still see the request end.
             self.log.warning("response stream shorter than expected", request_id=request_id, last_seq=reply.last_seq)
             seq = reply.last_seq + 1
-            event = msgspec.structs.replace(event, seq=seq) if event is not None else None
-            await self._call_publish(e, request_id, seq, event, letter)
+            return await self._final(e, request_id, seq, msgspec.structs.replace(event, seq=seq), letter)
+        await self.ack(e, request_id, dead_letter=letter)
+        return True
 
     def _on_retry(self, e: BaseException) -> None:
         self.metrics.labels(self.metrics.redis_errors).inc()

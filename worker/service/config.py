@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer_sdk.validation import DEFAULT_LIMITS, Limits
+from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_model_name
 from worker.options import add_cli_args, from_cli_args, option
 
 
@@ -15,9 +15,10 @@ class ServiceConfig:
     redis_url: str = option(
         "redis://127.0.0.1:6379/0",
         "Redis to serve (env PAGEDQ_REDIS_URL); redis://user:pass@host, rediss:// for TLS, "
-        "redis+sentinel://host1:26379,host2:26379/service/db through Sentinel",
+        "redis+sentinel://host1:26379,host2:26379/service/db through Sentinel, "
+        "redis+cluster://host1:6379,host2:6379 for Redis Cluster",
     )
-    model_name: str = option("default", "key namespace pagedq:{name}:* (the SDK's model=)")
+    model_name: str = option("default", "key namespace pagedq:{<name>}:*, braces literal (the SDK's model=)")
     consumer: str | None = option(None, "consumer name (default host-pid)")
     max_queue_len: int | None = option(
         None,
@@ -78,6 +79,7 @@ class ServiceConfig:
     limits: Limits = field(default_factory=lambda: DEFAULT_LIMITS)
 
     def __post_init__(self) -> None:
+        validate_model_name(self.model_name)
         if self.renew_interval_s is None:
             self.renew_interval_s = min(5.0, self.claim_idle_ms / 4000)
         if self.reclaim_interval_s is None:

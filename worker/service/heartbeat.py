@@ -89,7 +89,9 @@ class Heartbeat:
             "requests_finished": sum(count for _, count in _items(snap.finished)),
             "draining": self.draining(),
         }
-        pipe = self.redis.pipeline(transaction=True)
+        # Not a transaction: the registry and the model's keys live in different hash slots (Cluster).
+        # Readers tolerate the order: a heartbeat without its state yet is not pruned for a while.
+        pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(keys.heartbeats(self.model), {self.consumer: state["ts_ms"]})
         pipe.zadd(keys.models(), {self.model: state["ts_ms"]})
         pipe.zremrangebyscore(keys.models(), "-inf", state["ts_ms"] - MODEL_RETENTION_MS)

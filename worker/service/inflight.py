@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from producer_sdk.constants import DEFAULT_TENANT, REQUEST_ID_PATTERN, TENANT_PATTERN
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, ENTRY_TENANT_FIELD
+from producer_sdk.contract.scripts import lease_epoch
 from producer_sdk.protocol import GenerateRequest
 
 
@@ -36,6 +37,11 @@ class Entry:
         tenant = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
         return tenant if TENANT_PATTERN.fullmatch(tenant) else DEFAULT_TENANT
 
+    @property
+    def epoch(self) -> str:
+        """The lease epoch of this delivery: what the worker writes the request's stream under."""
+        return lease_epoch(self.entry_id, self.deliveries)
+
 
 @dataclass
 class InFlight:
@@ -53,6 +59,7 @@ class InFlight:
     delivered: list[list[int]] = field(default_factory=list)  # per sample: tokens in the response stream
     handover: bool = False  # we are giving it up: publish tokens, never a final event or ack
     lost: bool = False  # another worker owns it now: publish nothing
+    final_written: bool = False  # its final event is stored; the ack of its entry may still be due
     engine_failures: int = 0  # engine steps that failed while it was running here
     resumed_tokens: int = 0  # tokens earlier attempts had delivered when this one began
     read_at: float = 0.0  # when its entry was read from Redis (unix s)
@@ -60,7 +67,11 @@ class InFlight:
 
     @property
     def live(self) -> bool:
-        return not (self.handover or self.lost)
+        return not (self.handover or self.lost or self.final_written)
+
+    @property
+    def epoch(self) -> str:
+        return lease_epoch(self.entry_id, self.deliveries)
 
     @property
     def seats(self) -> int:

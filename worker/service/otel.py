@@ -11,7 +11,7 @@ engine's loop carries no tracing code. One attempt of one request is
       pagedq.waiting    in the engine's waiting queue -> first scheduled
       pagedq.prefill    first scheduled -> first token (prompt chunks; a resumed attempt's context)
       pagedq.decode     first token -> the engine finished it
-      pagedq.publish    finished -> its final event written to Redis
+      pagedq.publish    finished -> its final event written to Redis and its entry acked
 
 A phase that did not happen (a request cancelled before it was scheduled) is left out. Spans go to
 the exporters through a BatchSpanProcessor (OTEL_BSP_* settings), off the event loop. A failure here

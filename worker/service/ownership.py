@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from producer_sdk.contract import keys, scripts
+from producer_sdk.contract import keys, scripts, steps
 from worker.service.inflight import Entry, InFlight, InFlightTable
 from worker.service.logging import get_logger
 
@@ -37,7 +37,6 @@ class Ownership:
         self.group = keys.group(model)
         self.on_lost = on_lost
         self.held, self.on_held_lost = held, on_held_lost
-        self._claim = redis.register_script(scripts.CLAIM_OWN)
         self.log = get_logger("pagedq.ownership", worker=consumer)
 
     async def renew(self) -> None:
@@ -65,7 +64,7 @@ class Ownership:
             ks, args = scripts.claim_own_call(
                 self.model, lane, group=self.group, consumer=self.consumer, idle_ms=idle_ms, entry_ids=ids
             )
-            lost |= scripts.read_claim_own(await self._claim(keys=ks, args=args))
+            lost |= scripts.read_claim_own(await steps.CLAIM_OWN.run(self.redis, ks, args))
         return lost
 
     async def _claim_own(self, recs: list[InFlight], idle_ms: int) -> None:

@@ -3,9 +3,11 @@
 The engine thread hands each step's outputs over (`put`, thread-safe through the event loop). A
 flush takes everything queued since the last one, merges it per request (several steps' tokens in
 one `Tokens` event per sample), and runs the contract's `publish` step once per request, all in one
-pipeline: the events, and for a finished request its final event plus the ack of its entry, each
-fenced on ownership and idempotent by seq. So a call whose reply was lost can be sent again as it
-is: Redis skips what it already holds.
+pipeline, each fenced on the request's lease and idempotent by seq. So a call whose reply was lost
+can be sent again as it is: Redis skips what it already holds. Requests whose final event is then
+stored get their entries acked (the `ack` step, idempotent too) in a second pipelined round trip;
+until that succeeds they stay in flight (and renewed). With --wait-replicas, the final events are
+on that many replicas (WAIT, on each node written) before any of their entries is acked.
 
 Failures are handled per request: transient ones (Redis down, OOM, READONLY, BUSY, ...) are retried
 with jittered backoff while the engine keeps generating (what piles up goes out merged); a request
@@ -22,10 +24,12 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from producer_sdk.chat import ToolCallDelta
-from producer_sdk.contract import scripts
+from producer_sdk.contract import scripts, steps
+from producer_sdk.contract.cluster import node_of, queue_wait
 from producer_sdk.contract.redis_errors import is_connection_error, is_transient
 from producer_sdk.protocol import Error, Finished, Started, Timings, Tokens, ToolCalls, Usage, encode_event
 from worker.engine.outputs import RequestOutput
+from worker.service.finished import record_finish
 from worker.service.inflight import InFlight, InFlightTable
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
@@ -52,13 +56,14 @@ class _Pending:
 
 @dataclass
 class _Call:
-    """One `publish` call of a flush, until Redis has answered it for good."""
+    """One `publish` (or, `ack` set, `ack`) call of a flush, until Redis has answered it for good."""
 
     pending: _Pending
     n_events: int
     final: bool
     keys: list[str]
     args: list
+    ack: bool = False
 
 
 @dataclass
@@ -66,7 +71,7 @@ class PublisherHooks:
     """What the service does when a request's publish does not simply succeed."""
 
     on_done: Callable[[InFlight], None]  # finished and retired
-    on_lost: Callable[[InFlight], None]  # another worker owns it now
+    on_lost: Callable[[InFlight], None]  # another attempt holds its lease now (or the lease is gone)
     on_gap: Callable[[InFlight, int], None]  # its stream lost events (last seq stored given)
     on_failed: Callable[[InFlight, BaseException], None]  # Redis refuses its writes for good
 
@@ -100,7 +105,6 @@ class Publisher:
         self.stream_interval = max(1, stream_interval)
         self._held: dict[str, _Pending] = {}  # merged outputs not yet due (--stream-interval)
         self._flush_held = False
-        self._script = redis.register_script(scripts.PUBLISH)
         self._queue: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -228,22 +232,31 @@ class Publisher:
         rec = p.rec
         events, final = self._events(p)
         ks, args = scripts.publish_call(
-            self.model,
-            rec.lane,
             rec.request_id,
-            group=self.group,
-            consumer=self.consumer,
-            entry_id=rec.entry_id,
+            owner=self.consumer,
+            epoch=rec.epoch,
             cap=rec.max_events,
             live_ttl_ms=self.live_ttl_ms,
             result_ttl_ms=self.result_ttl_ms,
             first_seq=rec.next_seq,
             events=events,
             final=final,
-            tenant=rec.tenant,
-            tokens=self._used_tokens(p.final) if final and p.final is not None else 0,
         )
         return _Call(p, len(events), final, ks, args)
+
+    def _ack_call(self, p: _Pending) -> _Call:
+        rec = p.rec
+        ks, args = scripts.ack_call(
+            self.model,
+            rec.lane,
+            rec.request_id,
+            group=self.group,
+            entry_id=rec.entry_id,
+            result_ttl_ms=self.result_ttl_ms,
+            tenant=rec.tenant,
+            tokens=self._used_tokens(p.final) if p.final is not None else 0,
+        )
+        return _Call(p, 0, True, ks, args, ack=True)
 
     @staticmethod
     def _used_tokens(out: RequestOutput) -> int:
@@ -266,29 +279,31 @@ class Publisher:
             os._exit(137)  # fault injection: die between the engine step and the final write
         backoff = Backoff()
         while calls:
-            calls = await self._run(calls)
-            if calls:
+            retry, acks = await self._run(calls)
+            calls = retry + acks
+            if retry:
                 await asyncio.sleep(backoff.next())
 
-    async def _run(self, calls: list[_Call]) -> list[_Call]:
-        """One pipelined try; returns the calls to try again (transient failures)."""
+    async def _run(self, calls: list[_Call]) -> tuple[list[_Call], list[_Call]]:
+        """One pipelined try; returns the calls to try again (transient failures), and the acks due
+        for the final events just stored."""
         pipe = self.redis.pipeline(transaction=False)
         for c in calls:
-            await self._script(keys=c.keys, args=c.args, client=pipe)
-        wait = self.wait_replicas > 0 and any(c.final for c in calls)
-        if wait:  # on the same connection: WAIT covers the writes just made
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            (steps.ACK if c.ack else steps.PUBLISH).queue(pipe, c.keys, c.args)
+        self._queue_waits(pipe, calls)
         try:
             replies = await pipe.execute(raise_on_error=False)
         except Exception as e:
             if not is_transient(e):
                 raise
             self._count_error(e, "publish failed, retrying")
-            return calls
-        if wait:
-            self._check_replicas(replies.pop())
-        retry = []
-        for c, reply in zip(calls, replies, strict=True):
+            return calls, []
+        for acked in replies[len(calls) :]:
+            self._check_replicas(acked)
+        if steps.missing(replies):
+            await self._load_steps()
+        retry, acks = [], []
+        for c, reply in zip(calls, replies[: len(calls)], strict=True):
             if isinstance(reply, Exception):
                 if is_transient(reply):
                     self._count_error(reply, "publish refused for now, retrying", request_id=c.pending.rec.request_id)
@@ -297,12 +312,34 @@ class Publisher:
                     self._count_error(reply, "publish refused", request_id=c.pending.rec.request_id)
                     self.hooks.on_failed(c.pending.rec, reply)
                 continue
-            self._apply(c, scripts.read_publish(reply))
-        return retry
+            if c.ack:
+                self._acked(c.pending)
+            elif self._apply(c, scripts.read_publish(reply)):
+                acks.append(self._ack_call(c.pending))
+        return retry, acks
+
+    def _queue_waits(self, pipe, calls: list[_Call]) -> None:
+        """With --wait-replicas, a WAIT after the final events, on each node written (the same
+        connection as the writes, in the same pipeline): their acks wait for the replicas."""
+        if self.wait_replicas <= 0:
+            return
+        finals = [c.keys[0] for c in calls if c.final and not c.ack]
+        for key in {node_of(self.redis, key): key for key in finals}.values():
+            queue_wait(pipe, self.redis, key, self.wait_replicas, self.wait_timeout_ms)
+
+    async def _load_steps(self) -> None:
+        """A server without the scripts (restarted, promoted): load them; the refused calls are retried."""
+        try:
+            await steps.load(self.redis, [steps.PUBLISH, steps.ACK])
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            self._count_error(e, "loading the scripts failed, retrying")
 
     def _check_replicas(self, acked) -> None:
-        """Final events not yet on enough replicas are kept (the primary has them) and reported: a
-        failover in the next moments could lose them, and their requests would then be resumed."""
+        """Final events not yet on enough replicas within --wait-timeout-ms are reported, and their
+        entries acked all the same (a worker must not stall when a replica is away): a failover in the
+        next moments could lose such a final event after its entry is gone (ops/README.md)."""
         if isinstance(acked, Exception) or int(acked) < self.wait_replicas:
             self.metrics.labels(self.metrics.replication_lag).inc()
             self.log.warning("final events not yet replicated", replicas=str(acked), wanted=self.wait_replicas)
@@ -312,15 +349,18 @@ class Publisher:
         log = self.log.warning if is_connection_error(e) or is_transient(e) else self.log.error
         log(msg, error=f"{type(e).__name__}: {e}", **kw)
 
-    def _apply(self, c: _Call, reply: scripts.PublishReply) -> None:
+    def _apply(self, c: _Call, reply: scripts.PublishReply) -> bool:
+        """Take in a publish reply; whether the request's entry is now due for its ack."""
         rec = c.pending.rec
-        if reply.status == "ok" or reply.status == "done":
+        if reply.status == "ok":
             self._commit(c.pending, c.n_events, c.final)
-        elif reply.status == "lost":
+            return c.final
+        if reply.status == "lost":
             rec.lost = True
             self.hooks.on_lost(rec)
         else:  # gap: the stream holds less than this worker wrote (Redis lost writes)
             self.hooks.on_gap(rec, reply.last_seq)
+        return False
 
     def _commit(self, p: _Pending, n_events: int, final: bool) -> None:
         rec = p.rec
@@ -330,12 +370,17 @@ class Publisher:
             while len(rec.delivered) <= index:
                 rec.delivered.append([])
             rec.delivered[index].extend(ids)
-        if p.final is not None:
-            if final:
-                self._record_finish(rec, p.final)
-                self._retire(rec)
-            else:
-                self._handed_over(rec, p.final)
+        if final:
+            rec.final_written = True  # retired once its entry is acked (`_acked`)
+        elif p.final is not None:
+            self._handed_over(rec, p.final)
+
+    def _acked(self, p: _Pending) -> None:
+        assert p.final is not None
+        if self.tracer is not None:
+            self.tracer.finished(p.rec, p.final)
+        record_finish(self.metrics, self.log, p.rec, p.final)
+        self._retire(p.rec)
 
     def _retire(self, rec: InFlight) -> None:
         self.inflight.pop(rec.request_id, None)
@@ -345,38 +390,3 @@ class Publisher:
         if self.tracer is not None and rec.handover:
             self.tracer.handed_over(rec, out)
         self._retire(rec)
-
-    def _record_finish(self, rec: InFlight, out: RequestOutput) -> None:
-        m, met = out.metrics, self.metrics
-        if self.tracer is not None:
-            self.tracer.finished(rec, out)
-        if out.error:
-            code = out.error_code or "engine_error"
-            met.labels(met.requests_failed, code=code).inc()
-            met.tenant_finished(rec.tenant, "error")
-            self.log.warning("request failed", request_id=rec.request_id, code=code, error=out.error, tenant=rec.tenant)
-            return
-        reason = out.outputs[0].finish_reason or "abort"
-        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        met.labels(met.requests_finished, finished_reason=reason).inc()
-        met.tenant_finished(rec.tenant, reason, completion_tokens)
-        for hist, value in ((met.queue_time, m.queue_time), (met.ttft, m.ttft), (met.e2e, m.e2e)):
-            if value is not None:
-                met.labels(hist).observe(value)
-        itl = met.labels(met.itl)
-        for gap in m.inter_token_latencies:
-            itl.observe(gap)
-        ms = lambda s: None if s is None else round(s * 1000, 1)
-        self.log.info(
-            "request finished",
-            request_id=rec.request_id,
-            tenant=rec.tenant,
-            finish_reason=reason,
-            attempt=rec.attempt,
-            prompt_tokens=len(out.prompt_token_ids),
-            completion_tokens=completion_tokens,
-            cached_tokens=m.num_cached_tokens,
-            queue_ms=ms(m.queue_time),
-            ttft_ms=ms(m.ttft),
-            e2e_ms=ms(m.e2e),
-        )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import redis.asyncio as aioredis
+from typing import Any
 
 from producer_sdk.contract import keys
 from producer_sdk.errors import ProtocolError
@@ -23,17 +23,17 @@ class Resume:
     attempt: int  # the new attempt's number
     delivered: list[list[int]]  # per sample: the tokens already in the stream
     finished: bool  # a final event is there already
+    used_tokens: int = 0  # a Finished event's prompt + completion tokens (what its tenant is charged)
 
     @property
     def tokens(self) -> int:
         return sum(len(d) for d in self.delivered)
 
 
-async def read_previous_attempts(redis: aioredis.Redis, request_id: str) -> Resume:
-    """Replay the stream. Events of types this version does not know are skipped (their seq
-    counted: a newer worker wrote them); an entry that does not decode raises `CorruptStream`."""
-    raw = await redis.xrange(keys.response_stream(request_id))
-    next_seq, attempt, finished = 0, 0, False
+def replay(raw: Sequence[Any], request_id: str) -> Resume:
+    """Replay a response stream (its XRANGE). Events of types this version does not know are skipped
+    (their seq counted: a newer worker wrote them); an entry that does not decode raises `CorruptStream`."""
+    next_seq, attempt, finished, used = 0, 0, False, 0
     delivered: list[list[int]] = []
     for entry_id, fields in raw:
         data = fields.get(keys.EVENT_FIELD.encode())
@@ -54,4 +54,6 @@ async def read_previous_attempts(redis: aioredis.Redis, request_id: str) -> Resu
             delivered[ev.index].extend(ev.token_ids)
         elif isinstance(ev, (Finished, Error)):
             finished = True
-    return Resume(next_seq=next_seq, attempt=attempt + 1, delivered=delivered, finished=finished)
+            if isinstance(ev, Finished):
+                used = ev.usage.prompt_tokens + ev.usage.completion_tokens
+    return Resume(next_seq=next_seq, attempt=attempt + 1, delivered=delivered, finished=finished, used_tokens=used)

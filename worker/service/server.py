@@ -23,7 +23,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from producer_sdk.contract import keys
+from producer_sdk.contract import keys, steps
 from producer_sdk.contract.connection import connect, redact_url
 from worker.engine.engine import LLMEngine
 from worker.service.admission import Admission
@@ -97,6 +97,7 @@ class WorkerService:
             recently_cancelled=self.cancels.recently_cancelled,
             wake_engine=self.wake_engine,
             consumer=self.consumer,
+            lease_ttl_ms=cfg.live_ttl * 1000,
             tracer=self.tracer,
         )
         self.intake = Intake(
@@ -112,7 +113,7 @@ class WorkerService:
             **common,
         )
         hooks = PublisherHooks(
-            on_done=self._on_done, on_lost=self._on_lost, on_gap=self._on_gap, on_failed=self._on_failed
+            on_done=self._on_done, on_lost=self._on_lease_lost, on_gap=self._on_gap, on_failed=self._on_failed
         )
         self.publisher = Publisher(
             self.redis,
@@ -178,6 +179,14 @@ class WorkerService:
         rec.lost = True
         self.engine.abort_request(rec.request_id)
         self.intake.capacity_changed.set()
+
+    def _on_lease_lost(self, rec: InFlight) -> None:
+        """Another attempt holds the request's lease (this one stops), or the lease is gone (Redis lost
+        it): the entry is released too, fenced on its ownership, so that in the second case the next
+        claim resumes the request at once instead of after the claim timeout."""
+        self.log.warning("request lease held by another attempt or gone; stopping here", request_id=rec.request_id)
+        self._on_lost(rec)
+        self._spawn(self.ownership.hand_over([rec]))
 
     def _on_gap(self, rec: InFlight, last_seq: int) -> None:
         """The response stream holds less than this worker wrote (Redis lost writes in a failover):
@@ -331,6 +340,7 @@ class WorkerService:
         backoff = Backoff(base_s=0.1, max_s=5.0)
         while True:
             try:
+                await steps.load(self.redis)  # on every primary of a cluster
                 await self.intake.ensure_groups()
                 await self.heartbeat.publish_config()
                 await self.heartbeat.beat()
