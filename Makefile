@@ -9,12 +9,15 @@ EXTRAS ?= worker,arq,demo,bench,dev
 STAMP := $(VENV)/.pagedq-installed
 PYTEST_ARGS ?=
 # The newest redis-py the SDK and worker support (pyproject: redis>=5.3,<9). arq pins redis<6, so the main
-# venv has 5.3; `make test` runs the SDK and service tests a second time with this one in front of it.
+# venv has 5.3; `make test` runs the SDK and service tests a second time with this one in front of it, and
+# a third time on a real local Redis Cluster (which needs redis-py >= 6).
 REDIS_PY_NEWEST ?= redis==8.1.0
 REDIS_NEWEST_DIR := $(VENV)/redis-newest
 NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_resume.py tests/service/test_sdk_sync.py \
 	tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py tests/service/test_worker_service.py \
 	tests/unit/test_sentinel_url.py tests/service/test_sentinel_service.py
+# The cluster pass: the service and SDK suites (but for the single_node tests) and the cluster chaos rows.
+CLUSTER_TESTS ?= tests/service tests/unit/test_cluster_url.py tests/chaos/test_chaos_cluster.py
 
 .PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server
 
@@ -45,6 +48,8 @@ test: setup
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 	@echo "--- again with the newest redis-py ($(REDIS_PY_NEWEST)): the SDK and the service"
 	PYTHONPATH=$(REDIS_NEWEST_DIR) $(PY) -m pytest -q -p no:cacheprovider -k "not arq" $(NEWEST_REDIS_TESTS)
+	@echo "--- on a Redis Cluster (3 masters + 3 replicas), with the newest redis-py: the service and SDK suites"
+	PAGEDQ_TEST_REDIS=cluster PYTHONPATH=$(REDIS_NEWEST_DIR) $(PY) -m pytest -q -p no:cacheprovider $(CLUSTER_TESTS)
 
 test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu tests/kernels tests/gpu
@@ -61,6 +66,7 @@ lint: setup
 
 chaos: setup
 	$(PY) -m pytest -q -m chaos tests/chaos
+	PAGEDQ_TEST_REDIS=cluster PYTHONPATH=$(REDIS_NEWEST_DIR) $(PY) -m pytest -q -p no:cacheprovider -m chaos tests/chaos
 
 soak: setup
 	$(PY) -m tests.chaos.soak

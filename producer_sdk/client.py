@@ -19,7 +19,7 @@ from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
 from producer_sdk.contract import keys, scripts, steps
-from producer_sdk.contract.redis_errors import REDIS_ERRORS
+from producer_sdk.contract.redis_errors import RETRY_CANDIDATES
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -103,7 +103,7 @@ class Handle(HandleState):
                     continue
                 streams, count, block = f.xread_args()
                 reply = await r.xread(streams, count=count, block=block)
-            except REDIS_ERRORS as e:
+            except RETRY_CANDIDATES as e:
                 await asyncio.sleep(f.on_error(e))
                 continue
             yield f.on_reply(reply)
@@ -342,7 +342,7 @@ class AsyncClient(ClientBase):
         while True:
             try:
                 return await op()
-            except REDIS_ERRORS as e:
+            except RETRY_CANDIDATES as e:
                 await asyncio.sleep(backoff.delay(e, request_id))
 
 

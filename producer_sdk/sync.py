@@ -17,7 +17,7 @@ from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
 from producer_sdk.contract import keys, scripts, steps
-from producer_sdk.contract.redis_errors import REDIS_ERRORS
+from producer_sdk.contract.redis_errors import RETRY_CANDIDATES
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -79,7 +79,7 @@ class SyncHandle(HandleState):
                     continue
                 streams, count, block = f.xread_args()
                 reply = r.xread(streams, count=count, block=block)
-            except REDIS_ERRORS as e:
+            except RETRY_CANDIDATES as e:
                 time.sleep(f.on_error(e))
                 continue
             yield from f.on_reply(reply)
@@ -245,7 +245,7 @@ class Client(ClientBase):
         while True:
             try:
                 return op()
-            except REDIS_ERRORS as e:
+            except RETRY_CANDIDATES as e:
                 time.sleep(backoff.delay(e, request_id))
 
 

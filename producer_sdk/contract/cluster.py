@@ -88,11 +88,21 @@ def _redacted(url: str) -> str:
     return f"{scheme}://{rest.rpartition('@')[2]}"
 
 
+MIN_REDIS_PY = 6  # redis-py 5's cluster client, after a connection error, closes the connections other tasks
+# are using (they then fail with AttributeErrors); redis-py 6 only marks them for reconnection.
+
+
 def cluster_client(target: ClusterURL, *, asyncio: bool, options: dict[str, Any]) -> Any:
     """redis-py's cluster client (asyncio's when `asyncio`) for `target`, with pagedq's connection
     `options`; it retries nothing itself (whatever the redis-py version's defaults), unless `options`
-    name a `retry` of their own."""
-    node_options = {k: v for k, v in options.items() if k != "retry"}
+    name a `retry` of their own. Needs redis-py >= 6."""
+    if int(redis.__version__.split(".")[0]) < MIN_REDIS_PY:
+        raise RuntimeError(
+            f"Redis Cluster needs redis-py >= {MIN_REDIS_PY} (this is {redis.__version__}, whose cluster client is "
+            "not safe for concurrent use after a connection error): pip install 'redis>=6'"
+        )
+    # (`retry_on_timeout`: redis-py 6 retries timeouts by what its Retry says, and warns about the flag)
+    node_options = {k: v for k, v in options.items() if k not in ("retry", "retry_on_timeout")}
     if target.username is not None:
         node_options["username"] = target.username
     if target.password is not None:
@@ -103,12 +113,9 @@ def cluster_client(target: ClusterURL, *, asyncio: bool, options: dict[str, Any]
     node_cls = redis.asyncio.cluster.ClusterNode if asyncio else redis.cluster.ClusterNode
     retry = options.get("retry") or (redis.asyncio.retry.Retry if asyncio else redis.retry.Retry)(NoBackoff(), 0)
     accepted = set(inspect.signature(cls.__init__).parameters)
-    kwargs: dict[str, Any] = {"retry": retry, "cluster_error_retry_attempts": 0}
-    if "connection_error_retry_attempts" in accepted:  # redis-py 5's asyncio client
-        kwargs["connection_error_retry_attempts"] = 0
-        # Its pipelines make this many tries in all (0 would send nothing), its other calls one more
-        # than this: one retry, after the slot map is reloaded (every pagedq call is idempotent).
-        kwargs["cluster_error_retry_attempts"] = 1
+    # reinitialize_steps 0: a MOVED patches the slot map instead of, every few, closing every connection,
+    # those other tasks are using included.
+    kwargs: dict[str, Any] = {"retry": retry, "reinitialize_steps": 0}
     if asyncio:  # the asyncio client takes its connection options by name only
         kwargs.update({k: v for k, v in node_options.items() if k in accepted})
     else:

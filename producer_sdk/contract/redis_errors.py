@@ -30,14 +30,28 @@ _CLUSTER_UNREACHABLE = ("cannot be connected", "could not agree", "slots are not
 
 REDIS_ERRORS = (rex.RedisError, rex.RedisClusterException)  # everything a redis-py call raises of its own
 
+# redis-py's asyncio client can write to a connection that was closed under it (by the peer, or by a
+# cluster client resetting its connections after a failover while another task used one) and then
+# leak the transport's own error instead of a ConnectionError (redis-py issue #4287). Such an error is
+# a dropped connection: a retry on a new one cures it.
+_CLOSED_TRANSPORT = re.compile(
+    r"'NoneType' object (has no attribute '(writelines|write|_add_writer|drain|read)'|is not callable)"
+)
+# What the retry loops catch, for `is_transient` to decide: redis-py's errors and those leaks.
+RETRY_CANDIDATES = (*REDIS_ERRORS, AttributeError, TypeError)
+
 
 def is_connection_error(exc: BaseException) -> bool:
-    return isinstance(exc, CONNECTION_ERRORS)
+    return isinstance(exc, CONNECTION_ERRORS) or _closed_transport(exc)
+
+
+def _closed_transport(exc: BaseException) -> bool:
+    return isinstance(exc, (AttributeError, TypeError)) and _CLOSED_TRANSPORT.search(str(exc)) is not None
 
 
 def is_transient(exc: BaseException) -> bool:
     """A connection error, or a server error that goes away by itself (retry with backoff)."""
-    if isinstance(exc, CONNECTION_ERRORS + _TRANSIENT_CLASSES):
+    if isinstance(exc, CONNECTION_ERRORS + _TRANSIENT_CLASSES) or _closed_transport(exc):
         return True
     if isinstance(exc, rex.ResponseError):
         # redis-py strips the code of the classes it knows; errors raised inside a script keep it.

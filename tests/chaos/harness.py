@@ -82,6 +82,10 @@ def score(
                 outcome.duplicated += len(raw_tokens) - len(want)
             if got != want or raw_tokens != want:
                 outcome.wrong += 1
+                outcome.notes.append(
+                    f"{rid}: streamed {len(got)} tokens, stored {len(raw_tokens)}, expected {len(want)}; first "
+                    f"difference at {next((i for i, (a, b) in enumerate(zip(raw_tokens, want)) if a != b), None)}"
+                )
     return outcome
 
 

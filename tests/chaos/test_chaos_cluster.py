@@ -25,7 +25,7 @@ from tests.cluster_proc import RedisCluster
 from tests.service.worker_proc import wait_acked
 from worker import LLM, SamplingParams
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.cluster]
 
 MAX_TOKENS = 60
 N_REQUESTS = 16
@@ -76,7 +76,7 @@ def _run(llama_dir, cluster: RedisCluster, reference, fault: str, strike) -> tup
 
 
 def _assert_clean(o: Outcome, traffic: Traffic) -> None:
-    assert (o.lost, o.duplicated, o.wrong, o.errored) == (0, 0, 0, 0), o
+    assert (o.lost, o.duplicated, o.wrong, o.errored) == (0, 0, 0, 0), (o, traffic.errors)
     assert o.completed == o.requests and not traffic.errors, traffic.errors
 
 
