@@ -43,8 +43,17 @@ class Taken:
     """What taking an entry's lease found."""
 
     cancelled: bool
-    lease: scripts.AcquireReply
+    lease: scripts.AcquireReply | None
     stream: Any  # XRANGE of the response stream
+    error: Exception | None = None  # what Redis refused for this entry alone (a key of the wrong type, ...)
+
+
+def _taken(replies: list[Any]) -> Taken:
+    """An entry's three replies (EXISTS cancel flag, acquire, XRANGE stream)."""
+    error = next((r for r in replies if isinstance(r, Exception)), None)
+    if error is not None:
+        return Taken(False, None, None, error)
+    return Taken(bool(replies[0]), scripts.read_acquire(replies[1]), replies[2])
 
 
 class Admission:
@@ -125,12 +134,9 @@ class Admission:
             calls.append(steps.Cmd("XRANGE", keys.response_stream(rid), "-", "+"))
         replies = await steps.run_many(self.redis, calls, resend_all=True) if calls else []
         for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply  # the pull loop retries transient errors; the entries stay pending
-        got = {
-            e.entry_id: Taken(bool(replies[3 * i]), scripts.read_acquire(replies[3 * i + 1]), replies[3 * i + 2])
-            for i, e in enumerate(mine)
-        }
+            if isinstance(reply, Exception) and is_transient(reply):
+                raise reply  # the pull loop retries; the entries stay pending
+        got = {e.entry_id: _taken(replies[3 * i : 3 * i + 3]) for i, e in enumerate(mine)}
         return [got.get(e.entry_id) for e in entries]
 
     def _takes_lease(self, e: Entry) -> bool:
@@ -149,6 +155,11 @@ class Admission:
             await self._admit_one(e, None, False)  # no request id: decoding refuses it
             return
         assert rid is not None
+        if taken.error is not None:  # say a key of the wrong type: this entry alone ends
+            msg = f"the request's keys cannot be used: {type(taken.error).__name__}: {taken.error}"
+            await self.closer.refuse(e, rid, "stream_unwritable", msg, seq=None)
+            return
+        assert taken.lease is not None
         if not taken.lease.ok:
             await self._stale(e, rid, taken.lease)
             return
