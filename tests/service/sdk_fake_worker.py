@@ -89,6 +89,7 @@ class FakeWorker:
         self.emitted: dict[str, int] = {}  # request id -> tokens emitted
         self.finished: dict[str, str] = {}  # request id -> finish reason / error code
         self._tasks: set[asyncio.Task] = set()
+        self._ending: set[str] = set()  # requests between their final event and their ack
         self._subscribed = asyncio.Event()
 
     async def __aenter__(self) -> FakeWorker:
@@ -100,6 +101,9 @@ class FakeWorker:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        # As a worker's drain: a request whose final event is out gets its ack before the fake stops.
+        with contextlib.suppress(AssertionError):
+            await wait_for(lambda: not self._ending, 2.0, "the acks under way")
         self.resume.set()
         for t in list(self._tasks):
             t.cancel()
@@ -254,8 +258,12 @@ class FakeWorker:
         await self._retry(write)
 
     async def _finish(self, stream: str, entry_id: str, rid: str, ev: Event) -> None:
-        await self._emit(rid, ev)  # the final event, then the ack (two hash slots)
-        await self._ack(stream, entry_id)
+        self._ending.add(rid)
+        try:
+            await self._emit(rid, ev)  # the final event, then the ack (two hash slots)
+            await self._ack(stream, entry_id)
+        finally:
+            self._ending.discard(rid)
         self.finished[rid] = ev.finish_reason if isinstance(ev, Finished) else ev.code
 
     async def _ack(self, stream: str, entry_id: str) -> None:

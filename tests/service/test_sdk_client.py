@@ -262,6 +262,7 @@ async def test_submit_many_pipelined(redis_url, client, admin):
     assert lane_len(admin) == 2 and lane_len(admin, "low") == 1
     async with FakeWorker(redis_url):
         results = [await h.result(timeout=5) for h in handles]
+        await wait_for(lambda: lane_len(admin) + lane_len(admin, "low") == 0, 10, "the acks")
     assert [len(r.token_ids) for r in results] == [2, 2, 1]
 
     admin.hset(keys.config(MODEL), "max_queue_len", 2)
