@@ -329,7 +329,7 @@ async def test_timeout_keeps_the_request_unless_asked(client, admin):
 async def test_deadline(redis_url, client):
     async with FakeWorker(redis_url, token_delay=0.005):
         with pytest.raises(DeadlineExceeded) as info:
-            await client.generate("forever", deadline=0.2, timeout=5)
+            await client.generate("forever", deadline=1.0, timeout=5)
         assert info.value.completion.finish_reason == "deadline"
         assert info.value.completion.worker == "fake-1"
         past = await client.submit("x", deadline=-1)  # already past: never started
