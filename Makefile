@@ -25,7 +25,7 @@ CLUSTER_TESTS ?= tests/service/test_contract_scripts.py tests/service/test_sdk_c
 	tests/service/test_fair_share.py tests/service/test_stream_interval.py tests/service/test_tracing_service.py \
 	tests/service/test_worker_health.py::test_backlog_metrics_for_autoscaling \
 	tests/service/test_structured_service.py::test_sigkill_mid_way_through_constrained_requests_then_resume \
-	tests/unit/test_cluster_url.py tests/chaos/test_chaos_cluster.py
+	tests/gateway/test_openai_client.py tests/unit/test_cluster_url.py tests/chaos/test_chaos_cluster.py
 
 .PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server
 

@@ -25,15 +25,15 @@ try:
 except ImportError:  # the SDK-only install has no torch
     torch = None
 
+from tests.redis_target import ON_CLUSTER
 from worker.models.tiny import FAMILIES
 from worker.service.redis_proc import RedisProcess
 
-# `PAGEDQ_TEST_REDIS=cluster` (the cluster pass of `make test`, with redis-py >= 6): every test that
-# takes `redis_url` runs against a real local Redis Cluster (3 masters + 3 replicas) instead of one
-# redis-server. Tests marked `single_node` (they restart the server, create ACL users on it, ...) are
-# left out of that pass, and tests marked `cluster` (they start clusters of their own) run only in it:
-# left out, not skipped.
-ON_CLUSTER = os.environ.get("PAGEDQ_TEST_REDIS", "node") == "cluster"
+# ON_CLUSTER (`PAGEDQ_TEST_REDIS=cluster`, the cluster pass of `make test`, with redis-py >= 6): every
+# test that takes `redis_url` runs against a real local Redis Cluster (3 masters + 3 replicas) instead
+# of one redis-server. Tests marked `single_node` (they restart the server, create ACL users on it,
+# ...) are left out of that pass, and tests marked `cluster` (they start clusters of their own) run
+# only in it: left out, not skipped.
 
 
 def pytest_collection_modifyitems(config, items):

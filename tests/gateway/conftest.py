@@ -12,6 +12,7 @@ import pytest
 
 from producer_sdk.contract.connection import connect
 from tests.gateway.gateway_proc import GatewayProc
+from tests.redis_target import ON_CLUSTER
 from tests.service.worker_proc import WorkerProc
 from worker.models.chat_templates import HERMES_TOOLS
 
@@ -20,7 +21,13 @@ MAX_MODEL_LEN = 1024  # a chat with a tool: about 500 prompt tokens of the tiny 
 
 
 @pytest.fixture(scope="package")
-def gw_redis_url(redis_server) -> str:
+def gw_redis_url(request) -> str:
+    """The session's redis-server, emptied once (or, in the cluster pass, the session's cluster)."""
+    if ON_CLUSTER:
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        return cluster.url
+    redis_server = request.getfixturevalue("redis_server")
     if not redis_server.ping():
         redis_server.start()
     client = connect(redis_server.url, asyncio=False, socket_timeout=10)
