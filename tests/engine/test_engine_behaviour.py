@@ -45,6 +45,23 @@ def test_abort_frees_blocks_within_one_step(engine):
     assert_clean(engine)
 
 
+def test_a_suspect_runs_alone_only_until_it_has_sampled_a_token(engine):
+    """After a failed step every request of it is re-added isolated: one at a time, each gets a step of
+    its own, and once through one (its context computed, a token sampled) it rejoins the batch: a
+    poison request fails in its own step, and its neighbours do not run one by one to their end."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for rid in ("s1", "s2"):
+        engine.add_request(rid, prompt_token_ids=list(range(3, 25)), params=greedy, isolated=True)
+    engine.add_request("plain", prompt_token_ids=list(range(4, 20)), params=greedy)
+    sizes = []
+    for _ in range(4):
+        engine.step()
+        sizes.append(engine.snapshot().last_step_seqs)
+    assert sizes == [1, 1, 3, 3]  # s1 alone, s2 alone (s1 waits), then all three together
+    drain(engine)
+    assert_clean(engine)
+
+
 def test_expired_deadline_finishes_with_deadline_and_no_forward(engine):
     steps_before = engine.snapshot().steps
     engine.add_request("late", prompt="hello", params=SamplingParams(max_tokens=5), deadline=time.time() - 1)

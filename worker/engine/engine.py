@@ -175,7 +175,8 @@ class LLMEngine(RequestLifecycle):
 
         `resume` continues a request another worker started: per sample, the output tokens already
         delivered. They are recomputed as context (not sampled again) and count toward max_tokens.
-        `isolated` runs the request in steps of its own (a suspect after a failed step).
+        `isolated` runs the request in steps of its own (a suspect after a failed step) until it has
+        sampled a token alone.
         `add_generation_prompt` is passed to the chat template (`messages` only), and so are `tools`
         (OpenAI's function tools); `tool_choice` ("none", "auto", "required" or
         ``{"type": "function", "function": {"name": ...}}``) decides whether calls are parsed and forced;
@@ -318,6 +319,9 @@ class LLMEngine(RequestLifecycle):
         for req in touched.values():
             if req.request_id not in self.requests:
                 continue  # failed in this step
+            # A suspect that got through a step of its own (its whole context computed, a token sampled)
+            # is not what failed: it rejoins the batch instead of running alone to its end.
+            req.isolated = False
             self._emit(req, outputs)
             if req.finished:
                 self._retire(req)

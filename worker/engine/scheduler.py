@@ -211,9 +211,12 @@ class Scheduler:
         # Victims of preemption are taken from the end: lowest priority, latest arrival.
         self.running.sort(key=lambda s: (*s.request.sort_key(cfg.policy), s.index))
         self._long &= {s.seq_id for s in self.running if _left(s) > 1}
-        # An isolated (suspect) request shares its steps with nobody.
-        isolated = any(s.request.isolated for s in self.running)
         step = _Step(cfg.max_num_batched_tokens)
+        if self._schedule_suspect(out, step):
+            return self._finish(out)
+        # A suspect (isolated: after a failed step) shares its steps with nobody; one waiting for blocks
+        # keeps the others from being admitted meanwhile.
+        isolated = any(s.request.isolated for s in self.running)
         if cfg.enable_chunked_prefill:
             self._schedule_running(out, step, decodes=True)
             if out.scheduled and cfg.long_prefill_budget:
@@ -227,11 +230,25 @@ class Scheduler:
                 self._schedule_waiting(out, step)
             if out.is_empty:
                 self._schedule_running(out, step, decodes=True)
+        return self._finish(out)
+
+    def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
         # One-token queries first: the attention kernels' decode fast path takes a prefix of the batch.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.num_decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         out.block_copies = self.kv.take_copies()
         return out
+
+    def _schedule_suspect(self, out: SchedulerOutput, step: _Step) -> bool:
+        """A step of a suspect's own, until it has sampled a token alone (the engine then clears it): the
+        one admitted already, else the next one waiting, while the others sit this step out. False when
+        there is none, or it cannot run now (no blocks yet): the others' step goes on."""
+        suspect = next((s for s in self.running if s.request.isolated), None)
+        if suspect is not None:
+            self._schedule_running(out, step, decodes=_left(suspect) == 1, only=suspect)
+        elif len(self.waiting) and self.waiting.peek().request.isolated:
+            self._schedule_waiting(out, step)  # admits the suspect alone
+        return bool(out.scheduled)
 
     def _chunk(self, seq: Sequence, left: int, step: _Step, long: bool) -> int:
         """Tokens of `seq`'s prompt (`left` still to compute) that go into this step."""
@@ -246,13 +263,16 @@ class Scheduler:
             n = min(n, fit if fit or step.long_chunks else 1)  # the first long chunk always moves on
         return n
 
-    def _schedule_running(self, out: SchedulerOutput, step: _Step, *, decodes: bool) -> None:
-        """Decodes (`decodes`), or the next chunks of prompts part-way through, in running order."""
+    def _schedule_running(
+        self, out: SchedulerOutput, step: _Step, *, decodes: bool, only: Sequence | None = None
+    ) -> None:
+        """Decodes (`decodes`), or the next chunks of prompts part-way through, in running order (`only`:
+        of that sequence alone)."""
         i = 0
         while i < len(self.running) and step.tokens > 0:
             seq = self.running[i]
             left = _left(seq)
-            if (left == 1) != decodes or seq.seq_id in step.scheduled:
+            if (left == 1) != decodes or seq.seq_id in step.scheduled or (only is not None and seq is not only):
                 i += 1
                 continue
             n = 1 if decodes else self._chunk(seq, left, step, self.is_long(seq))
@@ -295,7 +315,7 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         while len(self.waiting) and step.tokens > 0:
             seq = self.waiting.peek()
-            if seq.request.isolated and (self.running or out.scheduled):
+            if seq.request.isolated and out.scheduled:
                 break
             seats = seq.request.sampling_params.n if not seq.request.forked else 1
             if seats_taken + seats > cfg.max_num_seqs:
