@@ -84,11 +84,12 @@ class Registry:
             pipe.zrange(keys.heartbeats(name), 0, -1)
         members = await pipe.execute() if views else []
         state_keys = [(name, _s(w)) for name, ws in zip(views, members) for w in ws]
-        pipe = self.redis.pipeline(transaction=False)
-        for name, ws in zip(views, members):  # one MGET per model: each model's keys share a hash slot
-            if ws:
-                pipe.mget([keys.worker_state(name, _s(w)) for w in ws])
-        states = [raw for batch in (await pipe.execute() if state_keys else []) for raw in batch]
+        # One MGET per model, concurrently: each model's keys share a hash slot (a cluster pipeline takes
+        # no MGET).
+        batches = await asyncio.gather(
+            *(self.redis.mget([keys.worker_state(name, _s(w)) for w in ws]) for name, ws in zip(views, members) if ws)
+        )
+        states = [raw for batch in batches for raw in batch]
         for (model, name), raw in zip(state_keys, states):
             if raw is None:
                 continue  # expired: the worker stopped heartbeating

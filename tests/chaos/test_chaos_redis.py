@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 MAX_TOKENS = 60
 PUBLISH_SHA = hashlib.sha1(scripts.PUBLISH.encode()).hexdigest()
+ACK_SHA = hashlib.sha1(scripts.ACK.encode()).hexdigest()
 
 
 @pytest.fixture
@@ -316,3 +317,41 @@ def test_a_dead_background_task_stops_the_worker_and_its_work_moves_on(llama_dir
     assert o.completed == len(prompts) and o.resumed >= 1 and not traffic.errors
     errors = [e for rid in prompts for e in raw_events(url, rid) if isinstance(e, Error)]
     assert errors == []
+
+
+def test_lost_ack_reply_counts_nothing_twice(llama_dir, aof_redis, reference):
+    """Redis ran the ack step (the entry deleted, its tokens counted), the reply never came back, the
+    worker sent it again: nothing is deleted or counted a second time."""
+    prompts, expected = _pick(reference, 20)
+    admin = redis.Redis.from_url(aof_redis.url)
+    proxy = ReplyDroppingProxy(aof_redis.port)
+    w = worker(llama_dir, proxy.url, "behind-proxy").start()
+
+    def window() -> int:
+        seconds, _ = admin.time()
+        return seconds // 60
+
+    seconds, _ = admin.time()
+    if seconds % 60 > 30:  # the token window must not turn over during the run
+        time.sleep(60 - seconds % 60 + 0.1)
+    first = window()
+
+    async def during():
+        await wait_for(lambda: mid_flight(aof_redis.url, prompts, MAX_TOKENS) >= 10, 60, "10 requests mid-generation")
+        for _ in range(3):  # three lost replies
+            proxy.drop_next_reply_to(ACK_SHA)
+            await asyncio.to_thread(proxy.fired.wait, 30)
+
+    try:
+        o, traffic = _run("lost ack reply (x3)", aof_redis.url, prompts, expected, during, w)
+        wait_acked(aof_redis.url)
+    finally:
+        proxy.close()
+    assert proxy.dropped >= 3
+    _clean(o.record())
+    assert o.completed == len(prompts) and not traffic.errors, traffic.errors
+    assert window() == first, "the run crossed a minute: its tokens are in two windows"
+    counted = int(admin.hget(keys.tenant_tokens("default", "default"), "n"))
+    assert counted == sum(len(p) + MAX_TOKENS for p in prompts.values())  # each request once
+    assert not admin.hget(keys.tenant_queued("default"), "default")  # every entry counted down once
+    admin.close()
