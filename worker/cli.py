@@ -39,7 +39,6 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    import asyncio
 
     from worker.service.logging import configure_logging, get_logger
 
@@ -82,8 +81,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         max_model_len=limits.max_model_len,
         dtype=limits.dtype,
     )
+    from worker.service.runner import run_to_exit
+
     service = WorkerService(engine, service_config)
-    return asyncio.run(service.run())
+    return run_to_exit(service.run())
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

@@ -11,7 +11,6 @@ folder; the model cache stays. While it runs, `~/.cache/pagedq/up.json` tells `p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -110,6 +109,7 @@ def stop_gateway(proc: subprocess.Popen | None) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     from worker.service.logging import configure_logging
+    from worker.service.runner import run_to_exit
 
     configure_logging(args.log_level, json=args.log_json)
     if args.threads:
@@ -177,7 +177,7 @@ def run_up(args: argparse.Namespace) -> int:
                 f"  or:  curl {gateway_url}/chat/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{args.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\''
             )
-        return asyncio.run(service.run())
+        return run_to_exit(service.run())
     except KeyboardInterrupt:
         return 0
     finally:

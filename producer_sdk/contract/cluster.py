@@ -6,9 +6,10 @@ The hosts are startup nodes (any of the cluster's nodes; port 6379 unless given)
 for the slot map and follows MOVED and ASK redirects itself. Every pagedq step touches one hash slot
 (see `keys`), so the same steps run here as on one node. What differs:
 
-- redis-py's cluster client retries nothing on its own (as on one node: pagedq retries, its writes
-  are idempotent); after a connection error it reloads the slot map on its next call, so the retried
-  call reaches a promoted replica.
+- It needs redis-py >= 6 (`MIN_REDIS_PY`). The client retries nothing on its own (as on one node:
+  pagedq retries, its writes are idempotent); after a connection error it reloads the slot map on its
+  next call, so the retried call reaches a promoted replica; a MOVED patches the slot map (no periodic
+  full reset, which would close connections other tasks are using).
 - WAIT covers the writes of one connection to one node: `queue_wait` sends it to the node that owns a
   key's slot, inside the pipeline that wrote there.
 - Pub/sub: a PUBLISH reaches the subscribers of every node, so a subscriber connects to one node

@@ -90,6 +90,7 @@ class FakeWorker:
         self.finished: dict[str, str] = {}  # request id -> finish reason / error code
         self._tasks: set[asyncio.Task] = set()
         self._ending: set[str] = set()  # requests between their final event and their ack
+        self._stopping = False
         self._subscribed = asyncio.Event()
 
     async def __aenter__(self) -> FakeWorker:
@@ -104,11 +105,17 @@ class FakeWorker:
         # As a worker's drain: a request whose final event is out gets its ack before the fake stops.
         with contextlib.suppress(AssertionError):
             await wait_for(lambda: not self._ending, 2.0, "the acks under way")
+        # Its tasks stop on their own between two commands: redis-py (8, on a cluster above all) can
+        # leave a task cancelled in the middle of a command waiting forever.
+        self._stopping = True
         self.resume.set()
-        for t in list(self._tasks):
-            t.cancel()
-        # Bounded: redis-py 8 can leave a task cancelled mid-read waiting on its socket.
-        await asyncio.wait(list(self._tasks), timeout=2)
+        tasks = list(self._tasks)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=3)
+            for t in stuck:
+                t.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=2)
         await self.redis.aclose()
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -125,7 +132,7 @@ class FakeWorker:
     # -- intake ------------------------------------------------------------------------------------
 
     async def _intake(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 got = None
                 for s in self.streams:  # high lane first
@@ -211,6 +218,8 @@ class FakeWorker:
         while forever or i < limit:
             if self.pause_after is not None and i == self.pause_after:
                 await self.resume.wait()
+            if self._stopping:
+                return  # (as a worker that stops: no final event)
             if await self._retry(self.redis.exists, keys.cancel_flag(rid)):
                 await self._finish(stream, entry_id, rid, fin("abort", i))
                 return
@@ -283,8 +292,8 @@ class FakeWorker:
         ps = (node or self.redis).pubsub()
         try:
             await ps.subscribe(channel)
-            while True:
-                msg = await ps.get_message(timeout=1.0)
+            while not self._stopping:
+                msg = await ps.get_message(timeout=0.05)
                 if msg is None:
                     continue
                 if msg["type"] == "subscribe":

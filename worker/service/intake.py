@@ -64,6 +64,7 @@ class Intake:
         self.metrics = metrics
         self.block_ms = block_ms
         self.capacity_changed = asyncio.Event()
+        self.stopping = False
         self._next_reclaim = 0.0
         self.window = max(0, window)
         self.fair = FairQueue(keys.LANES) if self.window else None
@@ -82,9 +83,14 @@ class Intake:
                 if "BUSYGROUP" not in str(e):
                     raise
 
+    def stop(self) -> None:
+        """Stop pulling after the round under way (at most one blocking read, `block_ms`, away)."""
+        self.stopping = True
+        self.capacity_changed.set()
+
     async def run(self) -> None:
         backoff = Backoff(max_s=5.0)
-        while True:
+        while not self.stopping:
             count = self._entries_to_read()
             if count <= 0:
                 self.capacity_changed.clear()

@@ -148,11 +148,7 @@ class WorkerService:
             **common,
         )
         self.engine_loop = EngineLoop(
-            engine,
-            self.metrics,
-            on_outputs=self.publisher.put,
-            on_step_failed=self._step_failed,
-            on_fatal=self._fatal,
+            engine, self.metrics, on_outputs=self.publisher.put, on_step_failed=self._step_failed, on_fatal=self._fatal
         )
         self.supervisor = Supervisor(self.log, on_failure=self._task_failed)
         self.health = HealthServer(self.metrics.render, self._health, self._ready)
@@ -306,7 +302,8 @@ class WorkerService:
             # Jobs still waiting are retried by arq elsewhere; they resubmit the same request id,
             # so they follow the request already running instead of starting it again.
             await arq_worker.close()
-        await sup.cancel("intake")  # stop pulling first
+        self.intake.stop()  # stop pulling first, between two reads
+        await sup.finish("intake", timeout=self.intake.block_ms / 1000 + 2.0)
         await self._hand_over_held()
         if not self.failed:
             await self._drain()

@@ -39,6 +39,18 @@ class Supervisor:
             self.log.error("background task ended unexpectedly", task=name)
         self.on_failure(name, error)
 
+    async def finish(self, name: str, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a task told to stop (a flag it reads) to end by itself, then
+        cancel it: a command cancelled half-way can leave a task hanging (redis-py's asyncio cluster
+        client), one that ends between two commands never does."""
+        task = self.tasks.pop(name, None)
+        if task is None:
+            return
+        _, running = await asyncio.wait([task], timeout=timeout)
+        if running:
+            self.tasks[name] = task
+            await self.cancel(name)
+
     async def cancel(self, *names: str, timeout: float = 5.0) -> None:
         """Cancel the named tasks (all when none is named) and wait for them to end, for at most
         `timeout` seconds: shutdown must not hang on a task stuck in a socket read."""
