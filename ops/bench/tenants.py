@@ -174,7 +174,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         wargs = argparse.Namespace(
             model_dir=args.model_dir, dtype=args.dtype, device=args.device, threads=args.threads, engine={}
         )
-        worker = Worker("pagedq", wargs, server.url, ns, kv_blocks=kv_blocks, engine={"enable_prefix_caching": False})
+        engine: dict = {"enable_prefix_caching": False}
+        if args.fair_share_prefill_tokens is not None:
+            engine["fair_share_prefill_tokens"] = args.fair_share_prefill_tokens
+        worker = Worker("pagedq", wargs, server.url, ns, kv_blocks=kv_blocks, engine=engine)
         out["worker_cmd"] = worker.cmd[2:]
         noisy = None
         try:
@@ -294,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noisy-max-tokens", type=int, default=128, help="noisy's output tokens: it holds its slots")
     p.add_argument("--lead", type=float, default=1.0, help="seconds noisy runs before calm's phase starts")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take")
+    p.add_argument(
+        "--fair-share-prefill-tokens", type=int, default=None, help="the worker's option (default: the engine's)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default ops/bench/results)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -136,7 +136,8 @@ def test_held_entries_are_renewed_cancelled_and_handed_over(llama_dir, redis_url
     finally:
         w1.stop()
     # A worker with a 60 s idle timeout takes them at once: they were released, not left to time out.
-    w2 = WorkerProc(llama_dir, redis_url, *ONE_SEAT, "--claim-idle-ms", "60000", name="w2").start()
+    # (with seats for all of them: the rest run side by side)
+    w2 = WorkerProc(llama_dir, redis_url, "--max-model-len", "512", "--claim-idle-ms", "60000", name="w2").start()
     try:
         rest = [rid for rid in flood if rid != flood[WINDOW + 1]]
         finish_all(redis_url, rest, timeout=50)

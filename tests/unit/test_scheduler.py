@@ -10,15 +10,10 @@ import pytest
 
 from worker.engine.config import ConfigError, EngineConfig, SchedulerConfig
 from worker.engine.kv_cache import KVCacheManager
+from worker.engine.prefill_cost import affordable_tokens, attention_cost_context, chunk_cost
 from worker.engine.request import Request, SeqStatus, Sequence
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import (
-    Scheduler,
-    SchedulerOutput,
-    affordable_tokens,
-    attention_cost_context,
-    chunk_cost,
-)
+from worker.engine.scheduler import Scheduler, SchedulerOutput
 
 BS = 4  # tokens per block: small, so a few tokens cross block boundaries
 
@@ -37,6 +32,7 @@ def make_scheduler(
     long_budget: int = 0,
     context: int = 1024,
     prefix_caching: bool = True,
+    fair_tokens: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix_caching, watermark=0.0)
     config = SchedulerConfig(
@@ -50,6 +46,7 @@ def make_scheduler(
         max_long_partial_prefills=longs or partials,  # as EngineConfig resolves it
         long_prefill_budget=long_budget,
         attention_cost_context=context,
+        fair_share_prefill_tokens=fair_tokens,
     )
     return Scheduler(config, kv)
 
@@ -58,12 +55,29 @@ _arrival = iter(range(1, 1_000_000))  # also makes every request's tokens its ow
 
 
 def add(
-    sched: Scheduler, rid: str, prompt: int | list[int], *, priority: int = 0, n: int = 1, isolated: bool = False
+    sched: Scheduler,
+    rid: str,
+    prompt: int | list[int],
+    *,
+    priority: int = 0,
+    n: int = 1,
+    isolated: bool = False,
+    tenant: str | None = None,
+    weight: float = 1.0,
 ) -> Sequence:
     """Queue a request (arrivals strictly increase in call order); returns its first sequence."""
     arrival = next(_arrival)
     ids = prompt if isinstance(prompt, list) else [arrival * 1000 + i for i in range(prompt)]
-    req = Request(rid, ids, SamplingParams(n=n), priority=priority, arrival_time=float(arrival), isolated=isolated)
+    req = Request(
+        rid,
+        ids,
+        SamplingParams(n=n),
+        priority=priority,
+        arrival_time=float(arrival),
+        isolated=isolated,
+        tenant=tenant,
+        tenant_weight=weight,
+    )
     sched.add(req.seqs[0])
     return req.seqs[0]
 
@@ -558,3 +572,86 @@ def test_a_shared_partial_block_is_copied_before_a_write():
     tables = [s.block_table for s in out.scheduled]
     assert tables[0][0] == tables[1][0]  # the full block stays shared
     assert {tables[0][1], tables[1][1]} == {src, dst}
+
+
+# --- fair share between tenants ------------------------------------------------------------------
+
+
+def test_tenants_over_their_weighted_share():
+    from worker.engine.scheduler import over_share_tenants
+
+    sched = make_scheduler()
+    seqs = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(4)] + [add(sched, "c", 4, tenant="calm")]
+    assert over_share_tenants(seqs) == {"noisy"}
+    assert over_share_tenants(seqs[:4]) == frozenset()  # one tenant: nobody to be fair to
+    assert over_share_tenants(seqs[2:]) == {"noisy"}  # 2 of 3
+    assert over_share_tenants([seqs[0], seqs[4]]) == frozenset()  # 1 each: equal shares
+    heavy = [add(sched, f"h{i}", 4, tenant="heavy", weight=4.0) for i in range(4)]
+    assert over_share_tenants([*heavy, seqs[4]]) == frozenset()  # weight 4 of 5: 4 of 5 sequences is its share
+    assert over_share_tenants([*seqs[:4], add(sched, "anon", 4)]) == frozenset()  # no tenant: not counted
+
+
+def _noisy_decoding(sched: Scheduler, count: int = 3) -> None:
+    for i in range(count):
+        add(sched, f"n{i}", 4, tenant="noisy")
+    step(sched)  # their prompts computed: they decode from now on
+
+
+def test_another_tenants_prompt_goes_first_and_alone_among_prompts():
+    sched = make_scheduler(budget=64, fair_tokens=8)
+    _noisy_decoding(sched)
+    add(sched, "n-new", 20, tenant="noisy")  # queued first
+    add(sched, "calm", 20, tenant="calm")
+    out = step(sched)
+    # noisy's decodes still run; its new prompt waits while calm's is in the step
+    assert shape(out) == [("n0", 1), ("n1", 1), ("n2", 1), ("calm", 20)]
+    assert sched.waiting.peek().request.request_id == "n-new"
+    out = step(sched)  # calm decodes now: noisy's prompt moves on, capped
+    assert shape(out) == [("n0", 1), ("n1", 1), ("n2", 1), ("calm", 1), ("n-new", 8)]
+
+
+def test_over_share_prompt_chunks_are_capped_between_them():
+    sched = make_scheduler(budget=64, fair_tokens=8, partials=2)
+    _noisy_decoding(sched)
+    add(sched, "calm", 3, tenant="calm")
+    step(sched)
+    add(sched, "n-a", 20, tenant="noisy")
+    add(sched, "n-b", 20, tenant="noisy")
+    chunks = [dict(shape(step(sched))) for _ in range(3)]
+    assert [(c.get("n-a", 0), c.get("n-b", 0)) for c in chunks] == [(8, 0), (8, 0), (4, 4)]
+    assert all(c["calm"] == 1 and c["n0"] == 1 for c in chunks)  # decodes never wait
+
+
+def test_an_over_share_prompt_takes_no_prefill_slot_from_another_tenant():
+    sched = make_scheduler(budget=64, threshold=16, fair_tokens=8)
+    _noisy_decoding(sched)
+    add(sched, "calm", 2, tenant="calm")
+    step(sched)
+    add(sched, "n-long", 100, tenant="noisy")
+    assert dict(shape(step(sched)))["n-long"] == 8  # part-way through, beside calm's decode
+    add(sched, "calm-long", 100, tenant="calm")  # long too: it needs the one partial-prefill slot
+    out = step(sched)
+    assert dict(shape(out))["calm-long"] == 16 and "n-long" not in dict(shape(out))
+
+
+def test_an_over_share_prompt_moves_on_while_the_other_tenants_prompt_waits_for_blocks():
+    sched = make_scheduler(num_blocks=16, budget=64, fair_tokens=8, prefix_caching=False)
+    _noisy_decoding(sched)
+    add(sched, "calm", 2, tenant="calm")
+    step(sched)
+    add(sched, "n-new", 16, tenant="noisy")
+    assert dict(shape(step(sched)))["n-new"] == 8
+    free = sched.kv.num_free_blocks
+    assert free < 64 // BS
+    add(sched, "calm-big", 100, tenant="calm")  # its first chunk needs more blocks than are free
+    out = step(sched)
+    assert dict(shape(out)).get("n-new") == 8 and "calm-big" not in dict(shape(out))
+    assert sched.waiting.peek().request.request_id == "calm-big"
+
+
+def test_without_fair_share_tenants_change_nothing():
+    sched = make_scheduler(budget=64, fair_tokens=0)
+    _noisy_decoding(sched)
+    add(sched, "n-new", 20, tenant="noisy")
+    add(sched, "calm", 20, tenant="calm")
+    assert shape(step(sched)) == [("n0", 1), ("n1", 1), ("n2", 1), ("n-new", 20), ("calm", 20)]

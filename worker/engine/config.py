@@ -59,6 +59,11 @@ class EngineConfig:
         "costing 1 + p/K (K: the context where attention costs as much as the linear layers); "
         "0: no limit (default: 32 on CPU, where it was measured; 0 on GPU)",
     )
+    fair_share_prefill_tokens: int = _opt(
+        16,
+        "while requests of several tenants are in, prompt tokens a step for tenants holding more than their "
+        "weighted share of the sequences (none in a step with another tenant's prompt; 0: no fair share)",
+    )
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
     max_logprobs: int = _opt(20, "most top logprobs a request may ask for")
     chat_template: str | None = _opt(
@@ -106,6 +111,8 @@ class EngineConfig:
             1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills
         ):
             raise bad("max_long_partial_prefills", "must be at least 1 and at most --max-num-partial-prefills")
+        if self.fair_share_prefill_tokens < 0:
+            raise bad("fair_share_prefill_tokens", "must be >= 0")
         if self.long_prefill_budget is not None and self.long_prefill_budget < 0:
             raise bad("long_prefill_budget", "must be >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSER_NAMES:
@@ -136,7 +143,8 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_budget: int = 0  # 0: long chunks are not sized by cost
-    attention_cost_context: int = 1024  # scheduler.attention_cost_context(model config)
+    attention_cost_context: int = 1024  # prefill_cost.attention_cost_context(model config)
+    fair_share_prefill_tokens: int = 0  # 0: no fair share between tenants in the step
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:

@@ -30,10 +30,11 @@ from worker.engine.lifecycle import RequestLifecycle, sample_seed
 from worker.engine.model_runner import ModelRunner, SampleRow
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import RequestOutput
+from worker.engine.prefill_cost import attention_cost_context
 from worker.engine.request import Request, Sequence
 from worker.engine.sampler import SamplerOutput
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerOutput, attention_cost_context
+from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.stats import EngineLimits, EngineSnapshot, EngineStats, SnapshotMaker
 from worker.engine.structured import StructuredOutputManager
 from worker.engine.tool_calling import choose_tool_parser, read_chat_template
@@ -78,6 +79,7 @@ class LLMEngine(RequestLifecycle):
             max_long_partial_prefills=cfg.max_long_partial_prefills or cfg.max_num_partial_prefills,
             long_prefill_budget=long_budget,
             attention_cost_context=attention_cost_context(loaded.config),
+            fair_share_prefill_tokens=cfg.fair_share_prefill_tokens,
         )
         self.eos_token_ids = find_eos_token_ids(loaded.tokenizer_path, loaded.config, self.tokenizer)
         self.runner = ModelRunner(
@@ -166,6 +168,8 @@ class LLMEngine(RequestLifecycle):
         cache_salt: str | None = None,
         resume: Seq[Seq[int]] | None = None,
         isolated: bool = False,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
@@ -176,7 +180,8 @@ class LLMEngine(RequestLifecycle):
         `resume` continues a request another worker started: per sample, the output tokens already
         delivered. They are recomputed as context (not sampled again) and count toward max_tokens.
         `isolated` runs the request in steps of its own (a suspect after a failed step) until it has
-        sampled a token alone.
+        sampled a token alone. `tenant` (with its fair-share `tenant_weight`) is whose request it is: while
+        several tenants have requests in, one over its share gets fewer prompt tokens a step.
         `add_generation_prompt` is passed to the chat template (`messages` only), and so are `tools`
         (OpenAI's function tools); `tool_choice` ("none", "auto", "required" or
         ``{"type": "function", "function": {"name": ...}}``) decides whether calls are parsed and forced;
@@ -201,6 +206,8 @@ class LLMEngine(RequestLifecycle):
             deadline=deadline,
             cache_salt=cache_salt,
             isolated=isolated,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         self._accepted.add(request_id)
         self._inbox.put(("add", req))

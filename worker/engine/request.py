@@ -141,6 +141,8 @@ class Request:
         cache_salt: str | None = None,
         resume: list[list[int]] | None = None,
         isolated: bool = False,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
@@ -163,6 +165,8 @@ class Request:
         self.tool_parser: type[ToolParser] | None = None
         self.resume = resume  # per sample, tokens a previous worker delivered
         self.isolated = isolated  # scheduled in steps of its own (suspected of failing a step)
+        self.tenant = tenant  # whose request: the scheduler's fair share between tenants
+        self.tenant_weight = tenant_weight
 
     @property
     def finished(self) -> bool:

@@ -20,24 +20,28 @@ Prompt chunks, with chunked prefill (vLLM's option names):
   plus its attention over the p keys before it). A chunk shrinks as its context grows, so the stall it
   adds to every decode stays about the same from a long prompt's first chunk to its last. The first
   long chunk of a step always gets at least one token: a long prompt is never starved.
+
+Fair share between tenants (`fair_share_prefill_tokens`), while sequences of more than one tenant are
+in the engine: a tenant holding more than its weighted share of them is over its share. Prompts of
+tenants within their share are scheduled first; over-share tenants' prompt chunks come after them and
+take at most `fair_share_prefill_tokens` tokens a step between them, none in a step that carries a
+prompt of a tenant within its share. Their decodes are never held back. So a tenant that floods the
+engine cannot make another tenant's first token wait behind its prompts, and its own prompts still
+move on in every step that has no such prompt.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import time
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from worker.engine.config import SchedulerConfig
 from worker.engine.kv_cache import KVCacheManager
+from worker.engine.prefill_cost import affordable_tokens, chunk_cost
 from worker.engine.request import SeqStatus, Sequence
-
-# Paged prefill attention ran about this many times slower per FLOP than the matmuls (CPU, fp32).
-ATTENTION_SLOWDOWN = 3
+from worker.engine.wait_queue import WaitQueue
 
 
 @dataclass
@@ -71,95 +75,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class WaitQueue:
-    """Waiting sequences: FIFO for `fcfs`, a heap on (priority, arrival) for `priority`.
-
-    `push_front` (preempted sequences) puts a sequence first among its equals: ahead of everything
-    under fcfs, ahead of later arrivals of its priority under `priority`.
-    """
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Sequence] = deque()
-        self._heap: list[tuple[tuple, int, Sequence]] = []
-        self._tie = itertools.count()
-
-    def _key(self, seq: Sequence) -> tuple:
-        return (*seq.request.sort_key(self.policy), seq.index)
-
-    def push(self, seq: Sequence) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (self._key(seq), next(self._tie), seq))
-        else:
-            self._fifo.append(seq)
-
-    def push_front(self, seq: Sequence) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (self._key(seq), -next(self._tie), seq))
-        else:
-            self._fifo.appendleft(seq)
-
-    def peek(self) -> Sequence:
-        return self._heap[0][2] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Sequence:
-        return heapq.heappop(self._heap)[2] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, seq: Sequence) -> bool:
-        if self.policy == "priority":
-            for i, item in enumerate(self._heap):
-                if item[2] is seq:
-                    self._heap[i] = self._heap[-1]
-                    self._heap.pop()
-                    heapq.heapify(self._heap)
-                    return True
-            return False
-        try:
-            self._fifo.remove(seq)
-            return True
-        except ValueError:
-            return False
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-
-def chunk_cost(position: int, n: int, context: int) -> float:
-    """Cost, in tokens, of computing prompt tokens `position .. position + n - 1`: each costs its linear
-    layers (1) plus its attention over the keys before it (`q / context` for the token at position q)."""
-    return n + (n * position + n * (n - 1) / 2) / context
-
-
-def affordable_tokens(position: int, budget: float, context: int) -> int:
-    """The most prompt tokens from `position` on whose `chunk_cost` fits `budget`."""
-    if budget < 1:
-        return 0
-    b = 1 + (position - 0.5) / context  # cost(n) = n^2 / (2 context) + b n
-    n = int(context * (math.sqrt(b * b + 2 * budget / context) - b))
-    while chunk_cost(position, n + 1, context) <= budget:
-        n += 1
-    while n > 0 and chunk_cost(position, n, context) > budget:
-        n -= 1
-    return n
-
-
-def attention_cost_context(hf_config: Any) -> int:
-    """`SchedulerConfig.attention_cost_context` of a Llama-shaped model: the context at which one token's
-    attention costs as much as its linear layers. By FLOPs that is the matmul parameters of a layer over
-    2 x heads x head_dim (QK^T and PV, 2 FLOPs a multiply-add); measured on the CPU (SmolLM2, fp32,
-    chunks of 16-64 tokens at positions up to 3,072), paged prefill attention runs at about a third of
-    the matmul rate, hence the division by ATTENTION_SLOWDOWN."""
-    if not all(hasattr(hf_config, k) for k in ("hidden_size", "num_attention_heads", "intermediate_size")):
-        return 1024  # not Llama-shaped: SmolLM2's figure
-    hidden = int(hf_config.hidden_size)
-    heads = int(hf_config.num_attention_heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    inter = int(hf_config.intermediate_size)
-    layer_params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
-    return max(64, round(layer_params / (2 * heads * head_dim) / ATTENTION_SLOWDOWN))
-
-
 @dataclass
 class _Step:
     """What is left of one step's budgets while the step is built."""
@@ -168,6 +83,25 @@ class _Step:
     long_cost: float = math.inf  # cost left for long-prompt chunks (finite once decodes are in the step)
     long_chunks: int = 0
     scheduled: set[str] = field(default_factory=set)  # seq ids in the step
+    over_share: frozenset[str] = frozenset()  # tenants whose prompt chunks are capped this step
+    over_share_tokens: int = 0  # prompt tokens left for them
+    fair_prompt: bool = False  # a prompt of a tenant within its share is in the step
+
+
+def over_share_tenants(seqs: list[Sequence]) -> frozenset[str]:
+    """Tenants holding more than their weighted share of `seqs` (none while fewer than two tenants
+    have sequences; sequences without a tenant are not counted)."""
+    counts: Counter[str] = Counter()
+    weights: dict[str, float] = {}
+    for seq in seqs:
+        tenant = seq.request.tenant
+        if tenant is not None:
+            counts[tenant] += 1
+            weights[tenant] = seq.request.tenant_weight
+    if len(counts) < 2:
+        return frozenset()
+    total, weight_sum = sum(counts.values()), sum(weights.values())
+    return frozenset(t for t, c in counts.items() if c * weight_sum > total * weights[t])
 
 
 class Scheduler:
@@ -214,6 +148,9 @@ class Scheduler:
         step = _Step(cfg.max_num_batched_tokens)
         if self._schedule_suspect(out, step):
             return self._finish(out)
+        if cfg.fair_share_prefill_tokens and cfg.enable_chunked_prefill:
+            step.over_share = over_share_tenants([*self.running, *self.waiting])
+            step.over_share_tokens = cfg.fair_share_prefill_tokens
         # A suspect (isolated: after a failed step) shares its steps with nobody; one waiting for blocks
         # keeps the others from being admitted meanwhile.
         isolated = any(s.request.isolated for s in self.running)
@@ -221,9 +158,18 @@ class Scheduler:
             self._schedule_running(out, step, decodes=True)
             if out.scheduled and cfg.long_prefill_budget:
                 step.long_cost = cfg.long_prefill_budget  # decodes are in: long chunks must not stall them
-            self._schedule_running(out, step, decodes=False)
-            if not out.preempted and not isolated:
-                self._schedule_waiting(out, step)
+            # Prompts of tenants within their share first, new ones included; then the others'.
+            self._schedule_running(out, step, decodes=False, over_share=False)
+            admit = not out.preempted and not isolated
+            if not step.over_share:
+                if admit:
+                    self._schedule_waiting(out, step)
+            else:
+                admit = admit and self._schedule_waiting(out, step, over_share=False)
+                if not out.preempted:
+                    self._schedule_running(out, step, decodes=False, over_share=True)
+                if admit and not out.preempted:
+                    self._schedule_waiting(out, step, over_share=True)
         else:
             # Prefill-only step when a new prompt can be admitted, decode-only step otherwise.
             if not isolated:
@@ -261,18 +207,31 @@ class Scheduler:
         if long and step.long_cost < math.inf:
             fit = affordable_tokens(seq.num_computed_tokens, step.long_cost, cfg.attention_cost_context)
             n = min(n, fit if fit or step.long_chunks else 1)  # the first long chunk always moves on
+        if seq.request.tenant in step.over_share:
+            n = 0 if step.fair_prompt else min(n, step.over_share_tokens)
         return n
 
     def _schedule_running(
-        self, out: SchedulerOutput, step: _Step, *, decodes: bool, only: Sequence | None = None
+        self,
+        out: SchedulerOutput,
+        step: _Step,
+        *,
+        decodes: bool,
+        only: Sequence | None = None,
+        over_share: bool | None = None,
     ) -> None:
         """Decodes (`decodes`), or the next chunks of prompts part-way through, in running order (`only`:
-        of that sequence alone)."""
+        of that sequence alone; `over_share`: of tenants over their share, or within it)."""
         i = 0
         while i < len(self.running) and step.tokens > 0:
             seq = self.running[i]
             left = _left(seq)
-            if (left == 1) != decodes or seq.seq_id in step.scheduled or (only is not None and seq is not only):
+            if (
+                (left == 1) != decodes
+                or seq.seq_id in step.scheduled
+                or (only is not None and seq is not only)
+                or (over_share is not None and (seq.request.tenant in step.over_share) != over_share)
+            ):
                 i += 1
                 continue
             n = 1 if decodes else self._chunk(seq, left, step, self.is_long(seq))
@@ -298,16 +257,26 @@ class Scheduler:
                 return False
         return True
 
-    def _prefill_slots(self, out: SchedulerOutput) -> tuple[int, int]:
-        """Running prompts part-way through after this step's chunks, and how many of them are long."""
+    def _prefill_slots(self, out: SchedulerOutput, step: _Step) -> tuple[int, int]:
+        """Running prompts part-way through after this step's chunks, and how many of them are long
+        (over-share tenants' prompts take no slot: their chunks have a cap of their own)."""
         new = {s.seq.seq_id: s.num_new_tokens for s in out.scheduled}
-        partial = [s for s in self.running if _left(s) > 1 and _left(s) > new.get(s.seq_id, 0)]
+        partial = [
+            s
+            for s in self.running
+            if _left(s) > new.get(s.seq_id, 0) and _left(s) > 1 and s.request.tenant not in step.over_share
+        ]
         return len(partial), sum(self.is_long(s) for s in partial)
 
-    def _schedule_waiting(self, out: SchedulerOutput, step: _Step) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, step: _Step, over_share: bool | None = None) -> bool:
+        """Admit waiting sequences in policy order (`over_share`: only those of tenants over their share,
+        or within it; the others keep their place). False when admission stopped for want of seats or
+        blocks, or behind a suspect: then nobody behind may pass."""
         cfg = self.config
-        deferred: list[Sequence] = []  # prompts waiting for a prefill slot; the ones behind them may pass
-        partials, longs = self._prefill_slots(out)
+        # Prompts waiting for a prefill slot, or not in this pass: the ones behind them may pass.
+        deferred: list[Sequence] = []
+        partials, longs = self._prefill_slots(out, step)
+        open_ = True
         # A request with n samples holds n seats from admission on, though it forks only once its prompt is in.
         seats_taken = len(self.running) + sum(
             s.request.sampling_params.n - 1 for s in self.running if not s.request.forked
@@ -315,10 +284,15 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         while len(self.waiting) and step.tokens > 0:
             seq = self.waiting.peek()
+            if over_share is not None and (seq.request.tenant in step.over_share) != over_share:
+                deferred.append(self.waiting.pop())
+                continue
             if seq.request.isolated and out.scheduled:
+                open_ = False
                 break
             seats = seq.request.sampling_params.n if not seq.request.forked else 1
             if seats_taken + seats > cfg.max_num_seqs:
+                open_ = False
                 break
             salt = seq.request.cache_salt
             hits = self.kv.match_prefix(seq.token_ids, salt)
@@ -340,6 +314,7 @@ class Scheduler:
                 continue
             if not self.kv.allocate(seq.seq_id, num_cached + n, hits, keep_watermark=True):
                 seq.num_computed_tokens = 0
+                open_ = False
                 break
             self.waiting.pop()
             metrics = seq.request.metrics
@@ -356,14 +331,21 @@ class Scheduler:
             partials += partial
             longs += long
             if seq.request.isolated:
+                open_ = False
                 break
         for seq in reversed(deferred):  # back at the front, in their order
             self.waiting.push_front(seq)
+        return open_
 
     def _schedule(self, out: SchedulerOutput, step: _Step, seq: Sequence, n: int) -> None:
         out.scheduled.append(ScheduledSeq(seq, n, list(self.kv.block_table(seq.seq_id))))
         step.tokens -= n
         step.scheduled.add(seq.seq_id)
+        if n > 1 or _left(seq) > 1:  # a prompt chunk
+            if seq.request.tenant in step.over_share:
+                step.over_share_tokens -= n
+            elif step.over_share:
+                step.fair_prompt = True
         if self.is_long(seq):
             step.long_cost -= chunk_cost(seq.num_computed_tokens, n, self.config.attention_cost_context)
             step.long_chunks += 1

@@ -83,6 +83,7 @@ class Admission:
         self.recently_cancelled = recently_cancelled
         self.wake_engine = wake_engine
         self.tracer = tracer
+        self.tenant_weight: Callable[[str], float] = lambda tenant: 1.0  # the intake's fair-share weights
         self.consumer, self.lease_ttl_ms = consumer, lease_ttl_ms
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.mean_seats: float | None = None  # moving average of n over decoded requests
@@ -297,6 +298,8 @@ class Admission:
             arrival_time=min(arrival, time.time()) if arrival else None,
             resume=resume,
             isolated=isolated,
+            tenant=rec.tenant,
+            tenant_weight=self.tenant_weight(rec.tenant),
             tools=[t.as_openai() for t in req.tools] if req.tools is not None else None,
             tool_choice=msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None,
             parallel_tool_calls=req.parallel_tool_calls,

@@ -48,7 +48,10 @@ class HealthServer:
 
         self._server = ThreadingHTTPServer((addr, port), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="http", daemon=True).start()
+        # A short poll: `stop` waits for one (serve_forever checks for shutdown between polls).
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True
+        ).start()
         return self._server.server_address[1]
 
     def stop(self) -> None:
