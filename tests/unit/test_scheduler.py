@@ -578,17 +578,35 @@ def test_a_shared_partial_block_is_copied_before_a_write():
 
 
 def test_tenants_over_their_weighted_share():
-    from worker.engine.scheduler import over_share_tenants
+    from worker.engine.tenant_share import TenantShare
+
+    def over(seqs):
+        return TenantShare(memory_s=0.0, clock=lambda: 0.0).over_share(seqs)
 
     sched = make_scheduler()
     seqs = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(4)] + [add(sched, "c", 4, tenant="calm")]
-    assert over_share_tenants(seqs) == {"noisy"}
-    assert over_share_tenants(seqs[:4]) == frozenset()  # one tenant: nobody to be fair to
-    assert over_share_tenants(seqs[2:]) == {"noisy"}  # 2 of 3
-    assert over_share_tenants([seqs[0], seqs[4]]) == frozenset()  # 1 each: equal shares
+    assert over(seqs) == {"noisy"}
+    assert over(seqs[:4]) == frozenset()  # one tenant: nobody to be fair to
+    assert over(seqs[2:]) == {"noisy"}  # 2 of 3
+    assert over([seqs[0], seqs[4]]) == frozenset()  # 1 each: equal shares
     heavy = [add(sched, f"h{i}", 4, tenant="heavy", weight=4.0) for i in range(4)]
-    assert over_share_tenants([*heavy, seqs[4]]) == frozenset()  # weight 4 of 5: 4 of 5 sequences is its share
-    assert over_share_tenants([*seqs[:4], add(sched, "anon", 4)]) == frozenset()  # no tenant: not counted
+    assert over([*heavy, seqs[4]]) == frozenset()  # weight 4 of 5: 4 of 5 sequences is its share
+    assert over([*seqs[:4], add(sched, "anon", 4)]) == frozenset()  # no tenant: not counted
+
+
+def test_a_tenant_between_two_requests_still_counts_for_a_moment():
+    from worker.engine.tenant_share import TenantShare
+
+    now = [0.0]
+    share = TenantShare(memory_s=2.0, clock=lambda: now[0])
+    sched = make_scheduler()
+    noisy = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(3)]
+    calm = add(sched, "c", 4, tenant="calm")
+    assert share.over_share([*noisy, calm]) == {"noisy"}
+    now[0] = 1.5  # calm's request ended; its next one has not come yet
+    assert share.over_share(noisy) == {"noisy"}
+    now[0] = 3.6  # calm has been gone longer than the memory: noisy is alone
+    assert share.over_share(noisy) == frozenset()
 
 
 def _noisy_decoding(sched: Scheduler, count: int = 3) -> None:

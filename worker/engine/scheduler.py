@@ -22,7 +22,8 @@ Prompt chunks, with chunked prefill (vLLM's option names):
   long chunk of a step always gets at least one token: a long prompt is never starved.
 
 Fair share between tenants (`fair_share_prefill_tokens`), while sequences of more than one tenant are
-in the engine: a tenant holding more than its weighted share of them is over its share. Prompts of
+in the engine (or were, a moment ago: tenant_share.py): a tenant holding more than its weighted share
+of them is over its share. Prompts of
 tenants within their share are scheduled first; over-share tenants' prompt chunks come after them and
 take at most `fair_share_prefill_tokens` tokens a step between them, none in a step that carries a
 prompt of a tenant within its share. Their decodes are never held back. So a tenant that floods the
@@ -34,13 +35,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 from worker.engine.config import SchedulerConfig
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.prefill_cost import affordable_tokens, chunk_cost
 from worker.engine.request import SeqStatus, Sequence
+from worker.engine.tenant_share import TenantShare
 from worker.engine.wait_queue import WaitQueue
 
 
@@ -88,27 +89,12 @@ class _Step:
     fair_prompt: bool = False  # a prompt of a tenant within its share is in the step
 
 
-def over_share_tenants(seqs: list[Sequence]) -> frozenset[str]:
-    """Tenants holding more than their weighted share of `seqs` (none while fewer than two tenants
-    have sequences; sequences without a tenant are not counted)."""
-    counts: Counter[str] = Counter()
-    weights: dict[str, float] = {}
-    for seq in seqs:
-        tenant = seq.request.tenant
-        if tenant is not None:
-            counts[tenant] += 1
-            weights[tenant] = seq.request.tenant_weight
-    if len(counts) < 2:
-        return frozenset()
-    total, weight_sum = sum(counts.values()), sum(weights.values())
-    return frozenset(t for t, c in counts.items() if c * weight_sum > total * weights[t])
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
         self.waiting = WaitQueue(config.policy)
+        self.tenants = TenantShare()
         self.running: list[Sequence] = []
         self._long: set[str] = set()  # running sequences admitted as long prompts, prompt not yet computed
 
@@ -149,7 +135,7 @@ class Scheduler:
         if self._schedule_suspect(out, step):
             return self._finish(out)
         if cfg.fair_share_prefill_tokens and cfg.enable_chunked_prefill:
-            step.over_share = over_share_tenants([*self.running, *self.waiting])
+            step.over_share = self.tenants.over_share([*self.running, *self.waiting])
             step.over_share_tokens = cfg.fair_share_prefill_tokens
         # A suspect (isolated: after a failed step) shares its steps with nobody; one waiting for blocks
         # keeps the others from being admitted meanwhile.
