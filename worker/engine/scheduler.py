@@ -23,12 +23,11 @@ Prompt chunks, with chunked prefill (vLLM's option names):
 
 Fair share between tenants (`fair_share_prefill_tokens`), while sequences of more than one tenant are
 in the engine (or were, a moment ago: tenant_share.py): a tenant holding more than its weighted share
-of them is over its share. Prompts of
-tenants within their share are scheduled first; over-share tenants' prompt chunks come after them and
-take at most `fair_share_prefill_tokens` tokens a step between them, none in a step that carries a
-prompt of a tenant within its share. Their decodes are never held back. So a tenant that floods the
-engine cannot make another tenant's first token wait behind its prompts, and its own prompts still
-move on in every step that has no such prompt.
+of them is over its share. Prompts of tenants within their share are scheduled first; over-share
+tenants' prompt chunks come after them and take at most `fair_share_prefill_tokens` tokens a step
+between them, none in a step that carries a prompt of a tenant within its share. Their decodes are
+never held back. So a tenant that floods the engine cannot make another tenant's first token wait
+behind its prompts, and its own prompts still move on in every step that has no such prompt.
 """
 
 from __future__ import annotations
