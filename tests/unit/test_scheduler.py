@@ -585,13 +585,21 @@ def test_tenants_over_their_weighted_share():
 
     sched = make_scheduler()
     seqs = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(4)] + [add(sched, "c", 4, tenant="calm")]
+    assert over(seqs) == frozenset()  # nobody decodes yet
+    step(sched)  # all of them decode from now on
     assert over(seqs) == {"noisy"}
     assert over(seqs[:4]) == frozenset()  # one tenant: nobody to be fair to
     assert over(seqs[2:]) == {"noisy"}  # 2 of 3
     assert over([seqs[0], seqs[4]]) == frozenset()  # 1 each: equal shares
     heavy = [add(sched, f"h{i}", 4, tenant="heavy", weight=4.0) for i in range(4)]
+    anon = add(sched, "anon", 4)
+    calm_bunch = [add(sched, f"c{i}", 4, tenant="calm") for i in range(4)]
+    step(sched)
     assert over([*heavy, seqs[4]]) == frozenset()  # weight 4 of 5: 4 of 5 sequences is its share
-    assert over([*seqs[:4], add(sched, "anon", 4)]) == frozenset()  # no tenant: not counted
+    assert over([*seqs[:4], anon]) == frozenset()  # no tenant: not counted
+    late = [add(sched, f"c-late{i}", 4, tenant="calm") for i in range(3)]
+    assert over([*seqs, *late]) == {"noisy"}  # calm's new prompts are not service it has had
+    assert over([*seqs[:4], *calm_bunch]) == frozenset()  # 4 decoding each
 
 
 def test_a_tenant_between_two_requests_still_counts_for_a_moment():
@@ -602,6 +610,7 @@ def test_a_tenant_between_two_requests_still_counts_for_a_moment():
     sched = make_scheduler()
     noisy = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(3)]
     calm = add(sched, "c", 4, tenant="calm")
+    step(sched)
     assert share.over_share([*noisy, calm]) == {"noisy"}
     now[0] = 1.5  # calm's request ended; its next one has not come yet
     assert share.over_share(noisy) == {"noisy"}

@@ -1,5 +1,9 @@
-"""Which tenants hold more than their weighted share of the engine's sequences (the scheduler's fair
-share between tenants, `fair_share_prefill_tokens`)."""
+"""Which tenants hold more than their weighted share of the engine's decoding sequences (the scheduler's
+fair share between tenants, `fair_share_prefill_tokens`).
+
+Only sequences past their prompt count: they are the service a tenant has had. A tenant whose requests
+arrive in a bunch has its new prompts waiting, and were they counted, it would look as big as the
+tenant it needs protecting from exactly then."""
 
 from __future__ import annotations
 
@@ -22,15 +26,15 @@ class TenantShare:
         self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (last seen with sequences, weight)
 
     def over_share(self, seqs: Iterable[Sequence]) -> frozenset[str]:
-        """Tenants holding more than their weighted share of `seqs`, among the tenants that have sequences
-        there or had some within `memory_s` (none while there are fewer than two; sequences without a
-        tenant are not counted)."""
+        """Tenants holding more than their weighted share of the decoding sequences among `seqs`, between
+        the tenants that have sequences there or had some within `memory_s` (none while there are fewer
+        than two; sequences without a tenant are not counted)."""
         now = self.clock()
         counts: dict[str, int] = {}
         for seq in seqs:
             tenant = seq.request.tenant
             if tenant is not None:
-                counts[tenant] = counts.get(tenant, 0) + 1
+                counts[tenant] = counts.get(tenant, 0) + (seq.num_output_tokens > 0)
                 self._seen[tenant] = (now, seq.request.tenant_weight)
         weights: dict[str, float] = {}
         for tenant, (seen, weight) in list(self._seen.items()):
