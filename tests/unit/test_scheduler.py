@@ -577,50 +577,61 @@ def test_a_shared_partial_block_is_copied_before_a_write():
 # --- fair share between tenants ------------------------------------------------------------------
 
 
-def test_tenants_over_their_weighted_share():
-    from worker.engine.tenant_share import TenantShare
-
-    def over(seqs):
-        return TenantShare(memory_s=0.0, clock=lambda: 0.0).over_share(seqs)
-
-    sched = make_scheduler()
-    seqs = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(4)] + [add(sched, "c", 4, tenant="calm")]
-    assert over(seqs) == frozenset()  # nobody decodes yet
-    step(sched)  # all of them decode from now on
-    assert over(seqs) == {"noisy"}
-    assert over(seqs[:4]) == frozenset()  # one tenant: nobody to be fair to
-    assert over(seqs[2:]) == {"noisy"}  # 2 of 3
-    assert over([seqs[0], seqs[4]]) == frozenset()  # 1 each: equal shares
-    heavy = [add(sched, f"h{i}", 4, tenant="heavy", weight=4.0) for i in range(4)]
-    anon = add(sched, "anon", 4)
-    calm_bunch = [add(sched, f"c{i}", 4, tenant="calm") for i in range(4)]
-    step(sched)
-    assert over([*heavy, seqs[4]]) == frozenset()  # weight 4 of 5: 4 of 5 sequences is its share
-    assert over([*seqs[:4], anon]) == frozenset()  # no tenant: not counted
-    late = [add(sched, f"c-late{i}", 4, tenant="calm") for i in range(3)]
-    assert over([*seqs, *late]) == {"noisy"}  # calm's new prompts are not service it has had
-    assert over([*seqs[:4], *calm_bunch]) == frozenset()  # 4 decoding each
-
-
-def test_a_tenant_between_two_requests_still_counts_for_a_moment():
+def test_tenants_over_their_weighted_share_of_recent_work():
     from worker.engine.tenant_share import TenantShare
 
     now = [0.0]
-    share = TenantShare(memory_s=2.0, clock=lambda: now[0])
+    share = TenantShare(half_life_s=10.0, memory_s=2.0, clock=lambda: now[0])
     sched = make_scheduler()
-    noisy = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(3)]
+    noisy = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(4)]
     calm = add(sched, "c", 4, tenant="calm")
-    step(sched)
+    assert share.over_share([*noisy, calm]) == frozenset()  # no work yet
+    share.charge([(s, 100) for s in noisy] + [(calm, 100)])
     assert share.over_share([*noisy, calm]) == {"noisy"}
-    now[0] = 1.5  # calm's request ended; its next one has not come yet
-    assert share.over_share(noisy) == {"noisy"}
-    now[0] = 3.6  # calm has been gone longer than the memory: noisy is alone
-    assert share.over_share(noisy) == frozenset()
+    now[0] = 1.5
+    assert share.over_share(noisy) == {"noisy"}  # calm, between two requests, is still there
+    bunch = [add(sched, f"c{i}", 4, tenant="calm") for i in range(6)]
+    # calm now holds more sequences than noisy, but has had less of the work
+    assert share.over_share([*noisy, calm, *bunch]) == {"noisy"}
+    share.charge([(s, 100) for s in bunch])
+    assert share.over_share([*noisy, calm, *bunch]) == {"calm"}  # 700 tokens against 400
+    now[0] = 4.0
+    assert share.over_share([calm]) == frozenset()  # noisy gone for longer than the memory: calm alone
+    anon = add(sched, "anon", 4)
+    share.charge([(anon, 10_000)])
+    assert share.over_share([calm, anon]) == frozenset()  # no tenant: not counted
 
 
-def _noisy_decoding(sched: Scheduler, count: int = 3) -> None:
+def test_weights_scale_the_share():
+    from worker.engine.tenant_share import TenantShare
+
+    share = TenantShare(clock=lambda: 0.0)
+    sched = make_scheduler()
+    heavy = add(sched, "h", 4, tenant="heavy", weight=4.0)
+    light = add(sched, "l", 4, tenant="light")
+    share.charge([(heavy, 400), (light, 100)])
+    assert share.over_share([heavy, light]) == frozenset()  # 4:1 work for 4:1 weights
+    share.charge([(heavy, 10)])
+    assert share.over_share([heavy, light]) == {"heavy"}
+
+
+def test_service_decays_with_its_half_life():
+    from worker.engine.tenant_share import TenantShare
+
+    now = [0.0]
+    share = TenantShare(half_life_s=10.0, memory_s=100.0, clock=lambda: now[0])
+    sched = make_scheduler()
+    a, b = add(sched, "a", 4, tenant="a"), add(sched, "b", 4, tenant="b")
+    share.charge([(a, 1000)])
+    now[0] = 10.0
+    share.charge([(b, 600)])  # a's 1000 are worth 500 now
+    assert share.over_share([a, b]) == {"b"}
+
+
+def _noisy_decoding(sched: Scheduler, count: int = 3, prompt: int = 16) -> None:
+    """Noisy's sequences decode from now on: it has had more of the work than anyone."""
     for i in range(count):
-        add(sched, f"n{i}", 4, tenant="noisy")
+        add(sched, f"n{i}", prompt, tenant="noisy")
     step(sched)  # their prompts computed: they decode from now on
 
 
@@ -663,7 +674,7 @@ def test_an_over_share_prompt_takes_no_prefill_slot_from_another_tenant():
 
 def test_an_over_share_prompt_moves_on_while_the_other_tenants_prompt_waits_for_blocks():
     sched = make_scheduler(num_blocks=16, budget=64, fair_tokens=8, prefix_caching=False)
-    _noisy_decoding(sched)
+    _noisy_decoding(sched, prompt=4)
     add(sched, "calm", 2, tenant="calm")
     step(sched)
     add(sched, "n-new", 16, tenant="noisy")

@@ -22,12 +22,13 @@ Prompt chunks, with chunked prefill (vLLM's option names):
   long chunk of a step always gets at least one token: a long prompt is never starved.
 
 Fair share between tenants (`fair_share_prefill_tokens`), while sequences of more than one tenant are
-in the engine (or were, a moment ago: tenant_share.py): a tenant holding more than its weighted share
-of them is over its share. Prompts of tenants within their share are scheduled first; over-share
-tenants' prompt chunks come after them and take at most `fair_share_prefill_tokens` tokens a step
-between them, none in a step that carries a prompt of a tenant within its share. Their decodes are
-never held back. So a tenant that floods the engine cannot make another tenant's first token wait
-behind its prompts, and its own prompts still move on in every step that has no such prompt.
+in the engine (or were, a moment ago), a tenant that has had more than its weighted share of the
+tokens computed lately (decaying, tenant_share.py) is over its share. Prompts of tenants within
+their share are scheduled first; over-share tenants' prompt chunks come after them and take at most
+`fair_share_prefill_tokens` tokens a step between them, none in a step that carries a prompt of a
+tenant within its share. Their decodes are never held back. So a tenant that floods the engine cannot
+make another tenant's first token wait behind its prompts, and its own prompts still move on in every
+step that has no such prompt.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.num_decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         out.block_copies = self.kv.take_copies()
+        if self.config.fair_share_prefill_tokens:
+            self.tenants.charge((s.seq, s.num_new_tokens) for s in out.scheduled)
         return out
 
     def _schedule_suspect(self, out: SchedulerOutput, step: _Step) -> bool:

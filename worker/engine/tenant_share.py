@@ -1,49 +1,84 @@
-"""Which tenants hold more than their weighted share of the engine's decoding sequences (the scheduler's
+"""Which tenants have had more than their weighted share of the engine's work lately (the scheduler's
 fair share between tenants, `fair_share_prefill_tokens`).
 
-Only sequences past their prompt count: they are the service a tenant has had. A tenant whose requests
-arrive in a bunch has its new prompts waiting, and were they counted, it would look as big as the
-tenant it needs protecting from exactly then."""
+A tenant's service is the tokens computed for it, decaying with a half-life of `half_life_s`: what it
+has had over the last several seconds, not the sequences it holds at this instant. A tenant whose
+requests arrive in a bunch holds many sequences for a moment; counted by sequences it would look like
+the flooding tenant exactly when it needs protecting from it.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from worker.engine.request import Sequence
 
-# A tenant whose sequences all ended this recently still counts, holding none. One that sends a request
-# every second or so has nothing in the engine between two of them most of the time; were it forgotten
-# at once, another tenant's prompts would run uncapped in those gaps and its next request would wait
-# behind them.
+HALF_LIFE_S = 10.0
+# A tenant whose sequences all ended this recently is still there, with nothing in the engine: one that
+# sends a request every second or so is between two of them most of the time, and the other tenants'
+# prompts must not run uncapped in those gaps, or its next request waits behind them.
 TENANT_MEMORY_S = 2.0
 
 
+@dataclass
+class _Tenant:
+    weight: float
+    seen: float  # last time it had sequences in the engine
+    service: float = 0.0  # decayed tokens computed, as of `stamp`
+    stamp: float = 0.0
+
+
 class TenantShare:
-    def __init__(self, memory_s: float = TENANT_MEMORY_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        half_life_s: float = HALF_LIFE_S,
+        memory_s: float = TENANT_MEMORY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.decay_per_s = math.log(2) / half_life_s
         self.memory_s = memory_s
         self.clock = clock
-        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (last seen with sequences, weight)
+        self._tenants: dict[str, _Tenant] = {}
+
+    def _service(self, t: _Tenant, now: float) -> float:
+        t.service *= math.exp(-self.decay_per_s * (now - t.stamp))
+        t.stamp = now
+        return t.service
+
+    def charge(self, work: Iterable[tuple[Sequence, int]]) -> None:
+        """Count the tokens of a step: (sequence, tokens computed for it)."""
+        now = self.clock()
+        for seq, tokens in work:
+            tenant = seq.request.tenant
+            if tenant is not None:
+                t = self._tenants.setdefault(tenant, _Tenant(seq.request.tenant_weight, now, 0.0, now))
+                self._service(t, now)
+                t.service += tokens
 
     def over_share(self, seqs: Iterable[Sequence]) -> frozenset[str]:
-        """Tenants holding more than their weighted share of the decoding sequences among `seqs`, between
-        the tenants that have sequences there or had some within `memory_s` (none while there are fewer
-        than two; sequences without a tenant are not counted)."""
+        """Tenants whose service per weight is above the weighted mean of the tenants with sequences among
+        `seqs` or had some within `memory_s` (none while there are fewer than two; sequences without a
+        tenant are not counted)."""
         now = self.clock()
-        counts: dict[str, int] = {}
         for seq in seqs:
             tenant = seq.request.tenant
             if tenant is not None:
-                counts[tenant] = counts.get(tenant, 0) + (seq.num_output_tokens > 0)
-                self._seen[tenant] = (now, seq.request.tenant_weight)
-        weights: dict[str, float] = {}
-        for tenant, (seen, weight) in list(self._seen.items()):
-            if now - seen > self.memory_s:
-                del self._seen[tenant]
-            else:
-                weights[tenant] = weight
-                counts.setdefault(tenant, 0)
-        if len(counts) < 2:
+                t = self._tenants.get(tenant)
+                if t is None:
+                    self._tenants[tenant] = _Tenant(seq.request.tenant_weight, now, 0.0, now)
+                else:
+                    t.seen, t.weight = now, seq.request.tenant_weight
+        present = {}
+        for name, t in list(self._tenants.items()):
+            if now - t.seen <= self.memory_s:
+                present[name] = t
+            elif self._service(t, now) < 1.0:
+                del self._tenants[name]  # gone, and its service has decayed away
+        if len(present) < 2:
             return frozenset()
-        total, weight_sum = sum(counts.values()), sum(weights.values())
-        return frozenset(t for t, c in counts.items() if c * weight_sum > total * weights[t])
+        services = {name: self._service(t, now) for name, t in present.items()}
+        mean = sum(services.values()) / sum(t.weight for t in present.values())
+        return frozenset(name for name, t in present.items() if services[name] > mean * t.weight)
