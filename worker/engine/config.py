@@ -61,8 +61,8 @@ class EngineConfig:
     )
     fair_share_prefill_tokens: int = _opt(
         16,
-        "while requests of several tenants are in, prompt tokens a step for tenants holding more than their "
-        "weighted share of the decoding sequences (none in a step with another tenant's prompt; 0: no fair share)",
+        "while requests of several tenants are in, prompt tokens a step for tenants that had more than their "
+        "weighted share of the recent work (none in a step with another tenant's prompt; 0: no fair share)",
     )
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
     max_logprobs: int = _opt(20, "most top logprobs a request may ask for")
