@@ -105,7 +105,10 @@ def test_a_closed_stream_cancels_its_request(gateway, gw_worker, gw_redis_url):
 def test_a_retried_post_with_the_same_idempotency_key_runs_one_generation(gateway, gw_worker, gw_redis_url):
     client = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
     call = {k: v for k, v in LONG.items() if k != "ignore_eos"} | {"extra_body": {"ignore_eos": True}}
+    before = gw_worker.metric("pagedq_request_success_total")
     reference = client.chat.completions.create(**call).choices[0].message.content
+    # (a request is counted once its entry is acked, a round trip after the final event the client saw)
+    wait_until(lambda: gw_worker.metric("pagedq_request_success_total") >= before + 1, what="the reference")
     finished = gw_worker.metric("pagedq_request_success_total")
     key = f"retry-{uuid.uuid4().hex}"
     # The first attempt breaks off mid-stream, as on a network error ...
