@@ -188,7 +188,8 @@ def _orphans(url: str) -> list[str]:
             continue
         if name == keys.tenant_tokens("default", DEFAULT_TENANT) and 0 < r.ttl(k) <= window_s:
             continue  # this minute's tokens of the soak's tenant: it expires by itself
-        left.append(f"{name} (ttl {r.ttl(k)})")
+        what = r.hgetall(k) if r.type(k) == b"hash" else ""  # (a count left behind says whose)
+        left.append(f"{name} (ttl {r.ttl(k)}) {what}".rstrip())
     r.close()
     return left
 

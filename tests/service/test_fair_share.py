@@ -121,10 +121,12 @@ def test_held_entries_are_renewed_cancelled_and_handed_over(llama_dir, redis_url
         # (the one read last, so admitted last: FIFO within the tenant)
         ids = [p["message_id"] for p in r.xpending_range(stream, group, "-", "+", 100, consumername="w1")]
         stolen = max(ids, key=lambda i: tuple(int(x) for x in i.split(b"-")))
-        held_before = w1.metric("pagedq_fair_share_held_entries")
         assert r.xclaim(stream, group, "thief", 0, [stolen], justid=True) == [stolen]
         lost = wait_until(lambda: [e for e in w1.log_events() if "owned by another worker" in e.get("event", "")])
-        assert lost[0]["count"] == 1 and w1.metric("pagedq_fair_share_held_entries") <= held_before - 1
+        # w1's renewal found it gone and let it go (the gauge is no proof: w1 may read another entry to
+        # hold in its place at once); the entry stays the thief's
+        assert lost[0]["count"] == 1
+        assert r.xpending_range(stream, group, stolen, stolen, 1)[0]["consumer"] == b"thief"
         r.xclaim(stream, group, "thief", 0, [stolen], idle=10**12, justid=True)  # the thief lets it go
         r.close()
 

@@ -62,7 +62,7 @@ class WorkerService:
         lim = engine.limits
         self.headroom = cfg.intake_headroom if cfg.intake_headroom is not None else max(1, lim.max_num_seqs // 8)
 
-        intake_block_ms = 250  # a stopping worker waits for at most one read in flight
+        intake_block_ms = 1000  # a stopping worker waits for at most one read in flight
         self.redis: aioredis.Redis = connect(cfg.redis_url, asyncio=True, socket_timeout=10.0)
         self.blocking_redis: aioredis.Redis = connect(
             cfg.redis_url, asyncio=True, socket_timeout=intake_block_ms / 1000 + 10.0
