@@ -585,21 +585,29 @@ def test_tenants_over_their_weighted_share_of_recent_work():
     sched = make_scheduler()
     noisy = [add(sched, f"n{i}", 4, tenant="noisy") for i in range(4)]
     calm = add(sched, "c", 4, tenant="calm")
-    assert share.over_share([*noisy, calm]) == frozenset()  # no work yet
+    for seq in [*noisy, calm]:
+        share.join(seq)
+    assert share.over_share() == frozenset()  # no work yet
     share.charge([(s, 100) for s in noisy] + [(calm, 100)])
-    assert share.over_share([*noisy, calm]) == {"noisy"}
+    assert share.over_share() == {"noisy"}
     now[0] = 1.5
-    assert share.over_share(noisy) == {"noisy"}  # calm, between two requests, is still there
+    share.leave(calm)
+    assert share.over_share() == {"noisy"}  # calm, between two requests, is still there
     bunch = [add(sched, f"c{i}", 4, tenant="calm") for i in range(6)]
+    for seq in bunch:
+        share.join(seq)
     # calm now holds more sequences than noisy, but has had less of the work
-    assert share.over_share([*noisy, calm, *bunch]) == {"noisy"}
+    assert share.over_share() == {"noisy"}
     share.charge([(s, 100) for s in bunch])
-    assert share.over_share([*noisy, calm, *bunch]) == {"calm"}  # 700 tokens against 400
+    assert share.over_share() == {"calm"}  # 700 tokens against 400
+    for seq in noisy:
+        share.leave(seq)
     now[0] = 4.0
-    assert share.over_share([calm]) == frozenset()  # noisy gone for longer than the memory: calm alone
+    assert share.over_share() == frozenset()  # noisy gone for longer than the memory: calm alone
     anon = add(sched, "anon", 4)
+    share.join(anon)
     share.charge([(anon, 10_000)])
-    assert share.over_share([calm, anon]) == frozenset()  # no tenant: not counted
+    assert share.over_share() == frozenset()  # no tenant: not counted
 
 
 def test_weights_scale_the_share():
@@ -609,10 +617,12 @@ def test_weights_scale_the_share():
     sched = make_scheduler()
     heavy = add(sched, "h", 4, tenant="heavy", weight=4.0)
     light = add(sched, "l", 4, tenant="light")
+    share.join(heavy)
+    share.join(light)
     share.charge([(heavy, 400), (light, 100)])
-    assert share.over_share([heavy, light]) == frozenset()  # 4:1 work for 4:1 weights
+    assert share.over_share() == frozenset()  # 4:1 work for 4:1 weights
     share.charge([(heavy, 10)])
-    assert share.over_share([heavy, light]) == {"heavy"}
+    assert share.over_share() == {"heavy"}
 
 
 def test_service_decays_with_its_half_life():
@@ -622,10 +632,12 @@ def test_service_decays_with_its_half_life():
     share = TenantShare(half_life_s=10.0, memory_s=100.0, clock=lambda: now[0])
     sched = make_scheduler()
     a, b = add(sched, "a", 4, tenant="a"), add(sched, "b", 4, tenant="b")
+    share.join(a)
+    share.join(b)
     share.charge([(a, 1000)])
     now[0] = 10.0
     share.charge([(b, 600)])  # a's 1000 are worth 500 now
-    assert share.over_share([a, b]) == {"b"}
+    assert share.over_share() == {"b"}
 
 
 def _noisy_decoding(sched: Scheduler, count: int = 3, prompt: int = 16) -> None:

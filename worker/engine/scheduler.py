@@ -103,14 +103,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.push(seq)
+        self.tenants.join(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sample joins the running set directly (its blocks are shared with its parent)."""
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        self.tenants.join(seq)
 
     def finish(self, seq: Sequence, status: SeqStatus) -> None:
         """Take a sequence out wherever it is and return its blocks to the pool."""
+        if not seq.status.finished:
+            self.tenants.leave(seq)
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
         elif not seq.status.finished:
@@ -135,7 +139,7 @@ class Scheduler:
         if self._schedule_suspect(out, step):
             return self._finish(out)
         if cfg.fair_share_prefill_tokens and cfg.enable_chunked_prefill:
-            step.over_share = self.tenants.over_share([*self.running, *self.waiting])
+            step.over_share = self.tenants.over_share()
             step.over_share_tokens = cfg.fair_share_prefill_tokens
         # A suspect (isolated: after a failed step) shares its steps with nobody; one waiting for blocks
         # keeps the others from being admitted meanwhile.

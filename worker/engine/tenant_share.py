@@ -29,9 +29,13 @@ class _Tenant:
     seen: float  # last time it had sequences in the engine
     service: float = 0.0  # decayed tokens computed, as of `stamp`
     stamp: float = 0.0
+    live: int = 0  # its sequences in the engine now
 
 
 class TenantShare:
+    """Kept up to date by the scheduler: `join` and `leave` as sequences come and go, `charge` with each
+    step's tokens, so `over_share` costs one pass over the tenants, not over the sequences."""
+
     def __init__(
         self,
         half_life_s: float = HALF_LIFE_S,
@@ -48,32 +52,44 @@ class TenantShare:
         t.stamp = now
         return t.service
 
+    def join(self, seq: Sequence) -> None:
+        tenant = seq.request.tenant
+        if tenant is None:
+            return
+        now = self.clock()
+        t = self._tenants.get(tenant)
+        if t is None:
+            t = self._tenants[tenant] = _Tenant(seq.request.tenant_weight, now, 0.0, now)
+        t.weight, t.seen = seq.request.tenant_weight, now
+        t.live += 1
+
+    def leave(self, seq: Sequence) -> None:
+        t = self._tenants.get(seq.request.tenant) if seq.request.tenant is not None else None
+        if t is not None and t.live > 0:
+            t.live -= 1
+            t.seen = self.clock()
+
     def charge(self, work: Iterable[tuple[Sequence, int]]) -> None:
         """Count the tokens of a step: (sequence, tokens computed for it)."""
-        now = self.clock()
+        totals: dict[str, int] = {}
         for seq, tokens in work:
             tenant = seq.request.tenant
             if tenant is not None:
-                t = self._tenants.setdefault(tenant, _Tenant(seq.request.tenant_weight, now, 0.0, now))
+                totals[tenant] = totals.get(tenant, 0) + tokens
+        now = self.clock()
+        for tenant, tokens in totals.items():
+            t = self._tenants.get(tenant)
+            if t is not None:
                 self._service(t, now)
                 t.service += tokens
 
-    def over_share(self, seqs: Iterable[Sequence]) -> frozenset[str]:
-        """Tenants whose service per weight is above the weighted mean of the tenants with sequences among
-        `seqs` or had some within `memory_s` (none while there are fewer than two; sequences without a
-        tenant are not counted)."""
+    def over_share(self) -> frozenset[str]:
+        """Tenants whose service per weight is above the weighted mean of the tenants present: with
+        sequences in the engine, or with some within `memory_s` (none while fewer than two are)."""
         now = self.clock()
-        for seq in seqs:
-            tenant = seq.request.tenant
-            if tenant is not None:
-                t = self._tenants.get(tenant)
-                if t is None:
-                    self._tenants[tenant] = _Tenant(seq.request.tenant_weight, now, 0.0, now)
-                else:
-                    t.seen, t.weight = now, seq.request.tenant_weight
-        present = {}
+        present: dict[str, _Tenant] = {}
         for name, t in list(self._tenants.items()):
-            if now - t.seen <= self.memory_s:
+            if t.live or now - t.seen <= self.memory_s:
                 present[name] = t
             elif self._service(t, now) < 1.0:
                 del self._tenants[name]  # gone, and its service has decayed away
