@@ -92,11 +92,24 @@ def _offline_child(model: str, wl_path: str, kv: int, dtype: str, threads: int, 
         return llm.generate([list(r.prompt) for r in reqs], ps, use_tqdm=False)
 
     gen(warmup_requests(vocab))
+    eng, step_times = llm.engine, []
+    step = eng.step
+
+    def timed_step(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return step(*a, **kw)
+        finally:
+            step_times.append(time.perf_counter() - t)
+
+    eng.step = timed_step
     t = time.perf_counter()
     outs = gen(wl.requests)
     elapsed = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"out_tok_s": n / elapsed, "dur_s": elapsed, "tokens": n}))
+    steps = len(step_times)
+    mean_ms = 1e3 * sum(step_times) / max(steps, 1)
+    print(json.dumps({"out_tok_s": n / elapsed, "dur_s": elapsed, "tokens": n, "steps": steps, "mean_step_ms": mean_ms}))
 
 
 def _served(args, server, wl, kv: int, vocab: int, interval: int) -> dict:
