@@ -5,7 +5,8 @@
                                                           # --stream-interval N (sN), same workload
 
 `ab` runs the 64-request `sharegpt-like` workload (seed 0, max_tokens capped by --max-tokens) through
-the offline engine in a child process (`off`) or through a real redis-server and `pagedq worker` with
+the offline engine in a child process (`off`; `offt` and `offt-kept` step it on a second thread, see
+OFFLINE) or through a real redis-server and `pagedq worker` with
 the SDK streaming every request (`sN`), one JSON line per run: output tok/s, ITL per event and per
 token, and the CPU seconds of redis-server, this client process and the worker's busiest threads.
 """
@@ -22,6 +23,10 @@ import uuid
 from pathlib import Path
 
 from ops.bench.common import child_env, kv_blocks_for, model_info, resolve_model
+
+# ab's offline runs: stepped on the loading thread, or on a second thread with that thread's OpenMP
+# pool freed (as the worker does) or kept (as the worker did before; worker/engine/omp_pool.py)
+OFFLINE = {"off": "main", "offt": "thread", "offt-kept": "thread-kept"}
 
 
 def _cpu_by_thread(pid: int) -> dict[str, float]:
@@ -77,10 +82,14 @@ def profile(args: argparse.Namespace) -> dict:
     }
 
 
-def _offline_child(model: str, wl_path: str, kv: int, dtype: str, threads: int, vocab: int) -> None:
+def _offline_child(model: str, wl_path: str, kv: int, dtype: str, threads: int, vocab: int, where: str) -> None:
+    """`LLM.generate` of the workload, stepped on the loading thread (`main`) or, as in a worker, on a
+    second thread with the loading thread's OpenMP pool freed first (`thread`) or kept (`thread-kept`)."""
+    import threading
+
     import torch
 
-    from ops.bench.workloads import Workload, warmup_requests
+    from ops.bench.workloads import Workload
     from worker import LLM, SamplingParams
 
     torch.set_num_threads(threads)
@@ -90,6 +99,23 @@ def _offline_child(model: str, wl_path: str, kv: int, dtype: str, threads: int, 
     def gen(reqs):
         ps = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
         return llm.generate([list(r.prompt) for r in reqs], ps, use_tqdm=False)
+
+    result: dict = {}
+    if where == "main":
+        _timed_generate(llm, gen, wl, vocab, result)
+    else:
+        if where == "thread":
+            from worker.engine.omp_pool import release_calling_thread_pool
+
+            release_calling_thread_pool()
+        t = threading.Thread(target=_timed_generate, args=(llm, gen, wl, vocab, result))
+        t.start()
+        t.join()
+    print(json.dumps(result))
+
+
+def _timed_generate(llm, gen, wl, vocab: int, result: dict) -> None:
+    from ops.bench.workloads import warmup_requests
 
     gen(warmup_requests(vocab))
     eng, step_times = llm.engine, []
@@ -109,7 +135,7 @@ def _offline_child(model: str, wl_path: str, kv: int, dtype: str, threads: int, 
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = len(step_times)
     mean_ms = 1e3 * sum(step_times) / max(steps, 1)
-    print(json.dumps({"out_tok_s": n / elapsed, "dur_s": elapsed, "tokens": n, "steps": steps, "mean_step_ms": mean_ms}))
+    result.update(out_tok_s=n / elapsed, dur_s=elapsed, tokens=n, steps=steps, mean_step_ms=mean_ms)
 
 
 def _served(args, server, wl, kv: int, vocab: int, interval: int) -> dict:
@@ -174,9 +200,9 @@ def ab(args: argparse.Namespace) -> list[dict]:
     results = []
     with RedisProcess() as server:
         for tag in args.order:
-            if tag == "off":
+            if tag in OFFLINE:
                 cmd = [sys.executable, "-m", "ops.bench.serve_overhead", "_offline", str(args.model_dir), str(wl_path)]
-                cmd += [str(kv), args.dtype, str(args.threads), str(vocab)]
+                cmd += [str(kv), args.dtype, str(args.threads), str(vocab), OFFLINE[tag]]
                 done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(args.threads), check=True)
                 r = json.loads(done.stdout.strip().splitlines()[-1])
             else:
@@ -190,11 +216,16 @@ def ab(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_offline"]:
-        _offline_child(argv[1], argv[2], int(argv[3]), argv[4], int(argv[5]), int(argv[6]))
+        _offline_child(argv[1], argv[2], int(argv[3]), argv[4], int(argv[5]), int(argv[6]), argv[7])
         return 0
     p = argparse.ArgumentParser(prog="python -m ops.bench.serve_overhead", description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["profile", "ab"])
-    p.add_argument("order", nargs="*", default=["off", "s1", "s4", "off", "s1", "s4"], help="ab: off | sN, in order")
+    p.add_argument(
+        "order",
+        nargs="*",
+        default=["off", "s1", "s4", "off", "s1", "s4"],
+        help="ab: off | offt | offt-kept | sN, in order",
+    )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
