@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.chaos.harness import REPORT
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _fresh_chaos_report():
-    """One table per run: forget the rows of earlier runs."""
-    REPORT.unlink(missing_ok=True)
+def pytest_configure(config):
+    """One table per run: forget the rows of earlier runs (once, in the process that prints the table,
+    not in each pytest-xdist worker that adds rows)."""
+    if not hasattr(config, "workerinput"):
+        REPORT.unlink(missing_ok=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

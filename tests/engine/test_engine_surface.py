@@ -111,7 +111,9 @@ def test_another_thread_reads_snapshots_while_the_engine_steps(engine):
     stop = threading.Event()
 
     def read() -> None:
-        while not stop.is_set():
+        # A read every millisecond: a reader spinning on the GIL made each of the engine's torch ops wait
+        # for a switch interval (the test took 36 s).
+        while not stop.wait(0.001):
             seen.append(engine.snapshot())
 
     reader = threading.Thread(target=read)

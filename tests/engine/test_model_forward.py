@@ -188,8 +188,12 @@ def test_gguf_file_loads_and_matches_transformers():
         gguf = find_gguf("smollm2")
     except PrepareError as e:
         pytest.fail(str(e))
-    ours = load_model(gguf, dtype="float32", device="cpu").model
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    loaded = load_model(gguf, dtype="float32", device="cpu")
+    ours = loaded.model
+    # transformers' own reading of the file's config (AutoConfig), passed on so it is not parsed again
+    hf = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, config=loaded.config, dtype=torch.float32
+    ).eval()
     ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
     h = PagedHarness(ours, 16, num_blocks=8, seed=0)
     (got,) = h.step({0: ids})

@@ -108,10 +108,12 @@ def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _gguf_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(path: Path, dtype: torch.dtype, config) -> Iterator[tuple[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    # With the config already read, transformers parses the file once more (for the tensors), not twice:
+    # each parse of SmolLM2's GGUF metadata takes seconds.
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=dtype)
     yield from hf.state_dict().items()
 
 
@@ -130,7 +132,7 @@ def load_model(
     with torch.device(dev):
         net = cls(config, torch_dtype, max_positions=max_positions)
     gguf = path.name if path.is_file() else None
-    weights = _gguf_weights(path, torch_dtype) if gguf else _safetensors_weights(path)
+    weights = _gguf_weights(path, torch_dtype, config) if gguf else _safetensors_weights(path)
     with torch.no_grad():
         net.load_weights(weights)
         if packing_enabled(dev, torch_dtype):

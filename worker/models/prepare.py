@@ -73,7 +73,7 @@ def prepare(name: str = "smollm2", out: str | Path | None = None, *, force: bool
     model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False)
     model.tie_weights()
 
-    tmp = target.with_name(target.name + ".partial")
+    tmp = target.with_name(f"{target.name}.partial-{os.getpid()}")  # one per process: two may prepare at once
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
@@ -81,6 +81,14 @@ def prepare(name: str = "smollm2", out: str | Path | None = None, *, force: bool
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(tmp)
+    if is_prepared(target) and not force:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target
     shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not is_prepared(target):
+            raise
     return target
