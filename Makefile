@@ -8,9 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= worker,arq,demo,bench,dev
 STAMP := $(VENV)/.pagedq-installed
 PYTEST_ARGS ?=
-# The main pass runs on this many pytest-xdist processes, a test file to each (most tests wait on worker
-# processes and Redis: on 2 cores one process kept the machine about half busy). 1 runs it in one process.
+# The main and cluster passes run on this many pytest-xdist processes, a test file to each (most tests wait
+# on worker processes and Redis: on 2 cores one process kept the machine about half busy). 1: one process.
 TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 # The newest redis-py the SDK and worker support (pyproject: redis>=5.3,<9). arq pins redis<6, so the main
 # venv has 5.3; `make test` runs the SDK and service tests a second time with this one in front of it, and
 # a third time on a real local Redis Cluster (which needs redis-py >= 6).
@@ -58,11 +59,11 @@ redis-server:
 
 # GPU tests (pytest -m gpu) need CUDA and real Triton kernels: `make test-gpu` on a GPU machine.
 test: setup
-	$(PY) -m pytest -q -m "not gpu" $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu" $(XDIST) $(PYTEST_ARGS)
 	@echo "--- again with the newest redis-py ($(REDIS_PY_NEWEST)): the SDK and the service"
 	PYTHONPATH=$(REDIS_NEWEST_DIR) $(PY) -m pytest -q -p no:cacheprovider -k "not arq" $(NEWEST_REDIS_TESTS)
 	@echo "--- on a Redis Cluster (3 masters + 3 replicas), with the newest redis-py: the service and SDK suites"
-	PAGEDQ_TEST_REDIS=cluster PYTHONPATH=$(REDIS_NEWEST_DIR) $(PY) -m pytest -q -p no:cacheprovider $(CLUSTER_TESTS)
+	PAGEDQ_TEST_REDIS=cluster PYTHONPATH=$(REDIS_NEWEST_DIR) $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(CLUSTER_TESTS)
 
 test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu tests/kernels tests/gpu

@@ -5,7 +5,7 @@ its own pool of helper threads and counts the helpers of all pools together. Onc
 above the number of CPUs it stops spinning between parallel regions (its "throttled" spin: 100
 iterations) and parks the helpers on a futex, so each of the thousands of parallel regions in a step
 pays a sleep and a wake-up. The worker loads and warms the model on its main thread and steps it on
-the engine thread: two pools, and with 2 threads on 2 cores a served step took about 30% longer than
+the engine thread: two pools, and with 2 threads on 2 cores a served step took 30% to 40% longer than
 the same step offline (`python -m ops.bench.serve_overhead ab off s1`). Freeing the loading thread's
 pool (`omp_pause_resource_all`, OpenMP 5.0) before the engine thread starts keeps one.
 """
