@@ -41,6 +41,19 @@ def _cpu_by_thread(pid: int) -> dict[str, float]:
     return out
 
 
+def _timed(fn, times: list[float]):
+    """`fn`, appending the seconds of each call to `times`."""
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            times.append(time.perf_counter() - t)
+
+    return timed
+
+
 def profile(args: argparse.Namespace) -> dict:
     """Decode steps with 64 sequences running: step time vs `runner.execute` (forward + sampling)."""
     import random
@@ -54,16 +67,7 @@ def profile(args: argparse.Namespace) -> dict:
     eng, rng, fwd = llm.engine, random.Random(0), []
     prompts = [[rng.randint(100, 20000) for _ in range(64)] for _ in range(64)]
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    execute = eng.runner.execute
-
-    def timed(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return execute(*a, **kw)
-        finally:
-            fwd.append(time.perf_counter() - t)
-
-    eng.runner.execute = timed
+    eng.runner.execute = _timed(eng.runner.execute, fwd)
     for i, p in enumerate(prompts):
         eng.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=96, ignore_eos=True))
     steps = []
@@ -119,16 +123,7 @@ def _timed_generate(llm, gen, wl, vocab: int, result: dict) -> None:
 
     gen(warmup_requests(vocab))
     eng, step_times = llm.engine, []
-    step = eng.step
-
-    def timed_step(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return step(*a, **kw)
-        finally:
-            step_times.append(time.perf_counter() - t)
-
-    eng.step = timed_step
+    eng.step = _timed(eng.step, step_times)
     t = time.perf_counter()
     outs = gen(wl.requests)
     elapsed = time.perf_counter() - t

@@ -25,9 +25,9 @@ def _loaded_libgomp() -> str | None:
     except OSError:
         return None
     for line in maps.splitlines():
-        path = line.split()[-1] if line.split() else ""
-        if "libgomp" in Path(path).name:
-            return path
+        fields = line.split()
+        if fields and "libgomp" in Path(fields[-1]).name:
+            return fields[-1]
     return None
 
 

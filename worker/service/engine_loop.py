@@ -44,12 +44,11 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen = engine.snapshot()
-        self.released_omp_pool = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         # The model was loaded and warmed on this thread: free its OpenMP helpers, so the engine
         # thread's are the only ones and keep spinning between parallel regions (omp_pool.py).
-        self.released_omp_pool = release_calling_thread_pool()
+        release_calling_thread_pool()
         self._thread = threading.Thread(target=self._run, args=(loop,), name="engine", daemon=True)
         self._thread.start()
 
