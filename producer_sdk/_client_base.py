@@ -169,6 +169,7 @@ class HandleState:
             backoff=opts.backoff(),
             resubmit_lost=opts.resubmit_lost,
             owner=self,
+            entry_id=self.entry_id,
         )
 
     def _record(self, f: Follower) -> None:

@@ -241,8 +241,12 @@ def cancel_commands(model: str, request_id: str, ttl_s: float) -> list[tuple[Any
 
 
 def queue_liveness(pipe: Any, f: Follower) -> None:
+    """The reads `Follower.on_liveness` takes, in its argument order."""
     pipe.exists(f.marker)
     pipe.exists(f.key)
+    if f.entry is not None:
+        lane_stream, entry_id = f.entry
+        pipe.xrange(lane_stream, entry_id, entry_id, count=1)
 
 
 # --- submit_many ----------------------------------------------------------------------------------

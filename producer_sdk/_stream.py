@@ -192,8 +192,9 @@ class Follower:
     """State machine of one reader of one response stream (sans-IO).
 
     Per loop, the driver (async or sync) does:
-    ``needs_check`` -> run EXISTS marker, EXISTS stream and pass them to `on_liveness` (which may
-    ask for a resubmit: run the enqueue script again and call `on_resubmitted`); else
+    ``needs_check`` -> run the reads of `_core.queue_liveness` (EXISTS marker, EXISTS stream, and the
+    entry in its lane when known) and pass them to `on_liveness` (which may ask for a resubmit: run
+    the enqueue script again and call `on_resubmitted`); else
     ``xread_args()`` -> XREAD BLOCK and feed the reply to `on_reply`, yielding its chunks;
     on a redis error sleep `on_error(exc)` seconds (it raises when giving up).
     Resuming costs nothing: `last_id` is only advanced past entries already turned into chunks.
@@ -213,6 +214,7 @@ class Follower:
         resubmit_lost: bool,
         count: int = 512,
         owner: Any = None,
+        entry_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.key = keys.response_stream(request_id)
@@ -232,6 +234,12 @@ class Follower:
         self.failed: Error | None = None
         self.needs_check = False
         self.owner = owner  # gets `reconnects` and `resubmits` counted
+        # The request's entry (lane stream, id) when this reader's handle enqueued it: while the
+        # entry is in its lane the request is queued or running, even after its marker expired.
+        self.lane_stream = keys.lane_stream(model, prepared.lane) if prepared is not None else None
+        self.entry: tuple[str, str] | None = None
+        if self.lane_stream is not None and entry_id is not None:
+            self.entry = (self.lane_stream, entry_id)
 
     @property
     def done(self) -> bool:
@@ -314,11 +322,13 @@ class Follower:
         remaining = self._remaining_s()
         return delay if remaining is None else min(delay, remaining)
 
-    def on_liveness(self, marker_exists: int, stream_exists: int) -> str | None:
-        """After a reconnect or an idle block: returns RESUBMIT, or None to go on reading."""
+    def on_liveness(self, marker_exists: int, stream_exists: int, queued: Any = None) -> str | None:
+        """After a reconnect or an idle block: returns RESUBMIT, or None to go on reading. `queued`:
+        the XRANGE of the entry in its lane (when `entry` is known). A request waiting longer than the
+        marker's TTL is still queued, and is never resubmitted (a second entry would run it twice)."""
         self.backoff.reset()
         self.needs_check = False
-        if marker_exists or stream_exists:
+        if marker_exists or stream_exists or queued:
             return None
         if self.prepared is not None and self.resubmit_lost and not self.builder.has_tokens:
             return self.RESUBMIT
@@ -338,8 +348,11 @@ class Follower:
         # The old stream is gone; the new one starts over. Events already seen (at most Started)
         # come again with the same seq and are dropped.
         self.last_id = b"0-0"
+        if result.entry_id is not None and self.lane_stream is not None:
+            self.entry = (self.lane_stream, result.entry_id)
         if self.owner is not None:
             self.owner.resubmits += 1
+            self.owner.entry_id = result.entry_id or self.owner.entry_id
 
     def completion(self) -> Completion:
         return self.builder.build(self.finished)

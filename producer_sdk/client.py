@@ -97,8 +97,8 @@ class Handle(HandleState):
                 if f.needs_check:
                     pipe = r.pipeline(transaction=False)
                     _core.queue_liveness(pipe, f)
-                    marker, stream = await pipe.execute()
-                    if f.on_liveness(marker, stream) == Follower.RESUBMIT:
+                    liveness = await pipe.execute()
+                    if f.on_liveness(*liveness) == Follower.RESUBMIT:
                         f.on_resubmitted(await self._resubmit())
                     continue
                 streams, count, block = f.xread_args()

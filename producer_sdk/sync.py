@@ -73,8 +73,8 @@ class SyncHandle(HandleState):
                 if f.needs_check:
                     pipe = r.pipeline(transaction=False)
                     _core.queue_liveness(pipe, f)
-                    marker, stream = pipe.execute()
-                    if f.on_liveness(marker, stream) == Follower.RESUBMIT:
+                    liveness = pipe.execute()
+                    if f.on_liveness(*liveness) == Follower.RESUBMIT:
                         f.on_resubmitted(self._resubmit())
                     continue
                 streams, count, block = f.xread_args()

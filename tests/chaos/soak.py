@@ -53,6 +53,7 @@ class SoakReport:
     running_end: float = -1.0
     orphan_keys: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    worker_log: str = ""  # the worker's log file (kept: it says what happened to a leftover)
 
     @property
     def ok(self) -> bool:
@@ -190,6 +191,10 @@ def _orphans(url: str) -> list[str]:
             continue  # this minute's tokens of the soak's tenant: it expires by itself
         what = r.hgetall(k) if r.type(k) == b"hash" else ""  # (a count left behind says whose)
         left.append(f"{name} (ttl {r.ttl(k)}) {what}".rstrip())
+    for lane in keys.LANES:  # every entry is acked and deleted once its request ends
+        stream = keys.lane_stream("default", lane)
+        for entry_id, fields in r.xrange(stream):
+            left.append(f"{stream} entry {entry_id.decode()} id={fields.get(b'id', b'').decode()}")
     r.close()
     return left
 
@@ -206,6 +211,7 @@ def run_soak(model_dir: str, requests: int, concurrency: int, seed: int) -> Soak
         w = WorkerProc(
             model_dir, server.url, "--result-ttl", str(RESULT_TTL_S), "--max-num-seqs", "32", "--max-model-len", "256"
         ).start()
+        report.worker_log = str(w.log_path)
         try:
             asyncio.run(_drive(server.url, plan, expected, report, concurrency, w))
             time.sleep(2.5)  # one heartbeat / gauge refresh after the last request

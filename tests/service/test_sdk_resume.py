@@ -8,7 +8,7 @@ import pytest
 import redis
 from sdk_fake_worker import FakeWorker, wait_for
 
-from producer_sdk import AsyncClient, Client, ConnectionLost, RequestLost
+from producer_sdk import AsyncClient, Client, ConnectionLost, RequestLost, RequestTimeout
 from producer_sdk.contract import keys
 from producer_sdk.contract.cluster import is_cluster
 from producer_sdk.contract.connection import connect
@@ -128,6 +128,25 @@ async def test_redis_restart_before_any_token_resubmits(redis_server, redis_url)
             done = await asyncio.wait_for(reader, 20)
     assert done.token_ids == [0, 1, 2] and handle.resubmits == 1
     assert [r.request_id for r in worker.requests] == [handle.request_id]
+
+
+async def test_a_request_queued_past_its_marker_is_not_resubmitted(redis_url):
+    """The marker expires after the result TTL even while the request waits in its lane; the entry
+    still there says it is queued, so the reader waits instead of enqueueing it a second time."""
+    async with AsyncClient(redis_url, MODEL, block_ms=50) as client:
+        with Client(redis_url, MODEL, block_ms=50) as sync_client:
+            handles = [await client.submit("x", max_tokens=3), await asyncio.to_thread(sync_client.submit, "y")]
+            for h in handles:  # as if their markers expired
+                await client.redis.delete(keys.submitted_marker(MODEL, h.request_id))
+            with pytest.raises(RequestTimeout):
+                await handles[0].result(timeout=0.5)  # about ten liveness checks
+            with pytest.raises(RequestTimeout):
+                await asyncio.to_thread(handles[1].result, timeout=0.5)
+            assert [h.resubmits for h in handles] == [0, 0]
+            assert await client.redis.xlen(keys.lane_stream(MODEL, "normal")) == 2
+        async with FakeWorker(redis_url) as worker:
+            done = await handles[0].result(timeout=20)
+    assert done.token_ids == [0, 1, 2] and handles[0].request_id in [r.request_id for r in worker.requests]
 
 
 async def test_connection_lost_after_the_attempts():

@@ -346,3 +346,28 @@ def test_cancel_right_after_submit_is_never_lost(redis_url, worker):
         for h in handles:
             with pytest.raises(Cancelled):
                 h.result(timeout=30)
+
+
+def test_two_entries_of_one_request_read_together_run_it_once(llama_dir, redis_url):
+    """A request submitted again after its marker expired (it waited longer than its result TTL) has
+    two entries. Read in one batch, the newer one runs and the older one is dropped as a duplicate,
+    at once: the request is answered, every entry deleted and counted down, nothing left for the
+    claim timeout (set far beyond the test here)."""
+    r = connect(redis_url, asyncio=False, socket_timeout=10)
+    with Client(redis_url) as client:
+        client.submit("warm", max_tokens=2, request_id="twice-warm")  # the worker's first read admits one entry
+        first = client.submit("twice", max_tokens=3, temperature=0, ignore_eos=True, request_id="twice-request")
+        r.delete(keys.submitted_marker("default", "twice-request"))
+        second = client.submit("twice", max_tokens=3, temperature=0, ignore_eos=True, request_id="twice-request")
+        assert not second.duplicate and second.entry_id != first.entry_id
+        w = WorkerProc(llama_dir, redis_url, "--claim-idle-ms", "600000").start()
+        try:
+            assert len(second.result(timeout=30).token_ids) == 3
+            wait_acked(redis_url)
+            assert r.hgetall(keys.tenant_queued("default")) == {}
+            letters = [fields for _, fields in r.xrange(keys.dead_letters("default"))]
+            assert [(f[b"code"], f[b"entry"].decode()) for f in letters] == [(b"duplicate", first.entry_id)]
+            check_stream(response_events(redis_url, "twice-request"))
+        finally:
+            w.stop()
+            r.close()

@@ -48,6 +48,20 @@ class Taken:
     error: Exception | None = None  # what Redis refused for this entry alone (a key of the wrong type, ...)
 
 
+def _superseded(entries: list[Entry]) -> dict[str, str]:
+    """Entry id -> the newest entry id of the same request in `entries`, for every older one."""
+    newest: dict[str, str] = {}
+    for e in entries:
+        rid = e.request_id
+        if rid is not None and (rid not in newest or scripts.entry_newer(e.entry_id, newest[rid])):
+            newest[rid] = e.entry_id
+    return {
+        e.entry_id: newest[e.request_id]
+        for e in entries
+        if e.request_id is not None and newest[e.request_id] != e.entry_id
+    }
+
+
 def _taken(replies: list[Any]) -> Taken:
     """An entry's three replies (EXISTS cancel flag, acquire, XRANGE stream)."""
     error = next((r for r in replies if isinstance(r, Exception)), None)
@@ -100,13 +114,23 @@ class Admission:
 
     async def admit(self, entries: list[Entry]) -> None:
         """New entries, each on its own."""
-        for e, taken in zip(entries, await self._take(entries), strict=True):
-            await self._guarded(e, self._admit_taken(e, taken, reclaimed=False))
+        await self._admit_batch(entries, reclaimed=False)
 
     async def resume(self, entries: list[Entry]) -> None:
         """Entries taken over from a dead worker: finished ones are only acked, the rest resume."""
-        for e, taken in zip(entries, await self._take(entries), strict=True):
-            await self._guarded(e, self._admit_taken(e, taken, reclaimed=True))
+        await self._admit_batch(entries, reclaimed=True)
+
+    async def _admit_batch(self, entries: list[Entry], *, reclaimed: bool) -> None:
+        # Two entries of one request id (a resubmit, say after its marker expired) in one batch: only
+        # the newest takes the lease (as `_stale` decides between batches), the others are duplicates.
+        newer = _superseded(entries)
+        fresh = [e for e in entries if e.entry_id not in newer]
+        for e, taken in zip(fresh, await self._take(fresh), strict=True):
+            await self._guarded(e, self._admit_taken(e, taken, reclaimed=reclaimed))
+        for e in entries:
+            if e.entry_id in newer:
+                msg = f"a newer entry ({newer[e.entry_id]}) of this request id runs it"
+                await self._guarded(e, self.closer.refuse(e, e.request_id, "duplicate", msg, seq=None))
 
     async def _guarded(self, e: Entry, work) -> None:
         """Run one entry's admission; anything but a Redis outage ends that entry alone."""

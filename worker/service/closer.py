@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -42,8 +43,10 @@ class EntryCloser:
         result_ttl_ms: int,
         dead_letter_ttl_ms: int,
         metrics: WorkerMetrics,
+        release: Callable[[list[Entry]], Awaitable[object]],
     ) -> None:
         self.redis = redis
+        self.release = release  # hands entries over to the next claim (Ownership.hand_over_entries)
         self.model, self.group, self.consumer = model, group, consumer
         self.result_ttl_ms, self.dead_letter_ttl_ms = result_ttl_ms, dead_letter_ttl_ms
         self.metrics = metrics
@@ -116,7 +119,9 @@ class EntryCloser:
         self, e: Entry, request_id: str, first_seq: int, event: Finished | Error, letter: DeadLetter | None
     ) -> bool:
         """Write the final event under this delivery's lease, then ack; False when another attempt
-        holds the lease (it ends the request: nothing is written or acked here)."""
+        holds the lease or it is gone: nothing is written or acked here, and the entry is handed over
+        (fenced on its ownership), so the next claim settles it at once (a newer entry's duplicate is
+        dropped, a lost lease is taken again) instead of after the claim timeout."""
         ks, args = scripts.publish_call(
             request_id,
             owner=self.consumer,
@@ -131,6 +136,7 @@ class EntryCloser:
         reply = scripts.read_publish(await retrying(lambda: steps.PUBLISH.run(self.redis, ks, args), self._on_retry))
         if reply.status == "lost":
             self.log.warning("another attempt holds the request now", request_id=request_id, entry=e.entry_id)
+            await retrying(lambda: self.release([e]), self._on_retry)
             return False
         if reply.status == "gap":
             # The stream ends before `first_seq` (it expired, or Redis lost writes in a failover): end

@@ -70,12 +70,21 @@ class WorkerService:
         common = {"model": self.model, "consumer": self.consumer}
         self.tracer = make_tracer(cfg, **common)  # None unless tracing is configured
         group = keys.group(self.model)
+        self.ownership = Ownership(
+            self.redis,
+            self.inflight,
+            on_lost=self._on_lost,
+            held=lambda: self.intake.held_entries(),
+            on_held_lost=lambda entry_ids: self.intake.drop_held(entry_ids),
+            **common,
+        )
         self.closer = EntryCloser(
             self.redis,
             group=group,
             result_ttl_ms=cfg.result_ttl * 1000,
             dead_letter_ttl_ms=cfg.dead_letter_ttl * 1000,
             metrics=self.metrics,
+            release=self.ownership.hand_over_entries,
             **common,
         )
         self.cancels = Cancels(
@@ -128,14 +137,6 @@ class WorkerService:
             stream_interval=cfg.stream_interval,
             metrics=self.metrics,
             tracer=self.tracer,
-            **common,
-        )
-        self.ownership = Ownership(
-            self.redis,
-            self.inflight,
-            on_lost=self._on_lost,
-            held=self.intake.held_entries,
-            on_held_lost=self.intake.drop_held,
             **common,
         )
         self.heartbeat = Heartbeat(
