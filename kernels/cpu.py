@@ -1,4 +1,5 @@
-"""The CPU attention backend: a C++ decode kernel (csrc/cpu_decode.cpp) plus the torch reference for
+"""The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp) and the
+fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py), plus the torch reference for
 prefill chunks.
 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
@@ -6,7 +7,7 @@ reference gathers each request's K/V rows into a buffer before two matmuls, whic
 three times; the C++ kernel reads it once, straight from the blocks. It is compiled once with
 torch's extension loader (g++ and ninja, about half a minute, cached under ~/.cache/torch_extensions)
 and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
-reference. Prefill chunks are compute-bound matmuls that torch already does well.
+reference (and the model takes its plain, unfused path). Prefill chunks are compute-bound matmuls that torch already does well.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, prefill_ref
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_fused.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / "cpu_vec.h"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _log = logging.getLogger("pagedq.kernels")
 _lock = threading.Lock()
@@ -52,7 +54,7 @@ def native_bf16() -> bool:
 
 
 def _compile_flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA where torch multiplies, then adds
     if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c"]
     return flags
@@ -72,7 +74,8 @@ def _build():
     if os.environ.get("PAGEDQ_CPU_KERNEL", "1") == "0":
         return False
     flags = _compile_flags()
-    tag = hashlib.sha1((SOURCE.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    text = "".join(source.read_text() for source in SOURCES + HEADERS)
+    tag = hashlib.sha1((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     name = f"pagedq_cpu_decode_{tag}"
     try:
         from torch.utils.cpp_extension import _get_build_directory
@@ -82,7 +85,7 @@ def _build():
             _compile_into(cached, name, flags)
         return _import(name, cached)
     except Exception as e:  # no compiler, no ninja, an odd platform: the reference still works
-        _log.warning("C++ CPU attention kernel unavailable (%s); using the torch reference", e)
+        _log.warning("C++ CPU kernels unavailable (%s); using the torch reference", e)
         return False
 
 
@@ -97,7 +100,7 @@ def _compile_into(target: Path, name: str, flags: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
         load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=tmp,

@@ -1,6 +1,7 @@
 """Fused layer ops: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding (+ KV-cache write).
 
-Each goes to a Triton kernel for CUDA tensors (kernels/fused_triton.py) and to plain torch elsewhere,
+Each goes to a Triton kernel for CUDA tensors (kernels/fused_triton.py), to the C++ CPU extension
+for CPU tensors (kernels/csrc/cpu_fused.cpp, when it is built), and to plain torch otherwise,
 following the same backend choice as attention (kernels/dispatch.py). The torch versions compute
 exactly what the unfused model code computes; they are the fallback and the tests' reference.
 """
@@ -10,7 +11,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import extension
 from kernels.dispatch import backend_for, need_triton
+
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_extension_for(*tensors: torch.Tensor):
+    """The C++ extension when these CPU tensors go to it (the "cpu" backend, a dtype it takes, unit
+    stride on the last dim), else None."""
+    t = tensors[0]
+    if t.is_cuda or t.dtype not in _CPU_DTYPES or backend_for(t) != "cpu":
+        return None
+    if any(x.stride(-1) != 1 or x.dtype != t.dtype for x in tensors):
+        return None
+    return extension()
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,6 +49,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         need_triton()
         return rms_norm_triton(x, weight, eps)
+    ext = cpu_extension_for(x, weight) if x.dim() == 2 else None
+    if ext is not None:
+        return ext.rms_norm(x, weight, float(eps))
     return rms_norm_ref(x, weight, eps)
 
 
@@ -46,6 +64,10 @@ def add_rms_norm(
 
         need_triton()
         return rms_norm_triton(x, weight, eps, residual=residual)
+    ext = cpu_extension_for(x, residual, weight) if x.dim() == 2 and x.shape == residual.shape else None
+    if ext is not None:
+        out, summed = ext.add_rms_norm(x, residual, weight, float(eps))
+        return out, summed
     summed = x + residual
     return rms_norm_ref(summed, weight, eps), summed
 
@@ -57,6 +79,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         need_triton()
         return silu_and_mul_triton(x)
+    ext = cpu_extension_for(x) if x.dim() == 2 else None
+    if ext is not None:
+        return ext.silu_and_mul(x)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
 
@@ -87,6 +112,12 @@ def rotary_write_kv(
 
         need_triton()
         rotary_triton(positions, query, key, cos, sin, value, k_cache, v_cache, slot_mapping)
+        return
+    caches = () if k_cache is None else (value, k_cache, v_cache)
+    ext = cpu_extension_for(query, key, *caches) if cos.dtype == torch.float32 else None
+    if ext is not None and cos.stride() == sin.stride():
+        slots = None if slot_mapping is None else slot_mapping.to(torch.int64)
+        ext.rotary_write_kv(positions.to(torch.int64), query, key, value, cos, sin, k_cache, v_cache, slots)
         return
     c = cos[positions].to(query.dtype).unsqueeze(1)
     s = sin[positions].to(query.dtype).unsqueeze(1)

@@ -14,9 +14,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDQ_AVX2 1
+#include "cpu_vec.h"
+
+#ifdef PAGEDQ_AVX2
+using pagedq_vec::exp256;
 #endif
 
 namespace {
@@ -59,24 +60,6 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
 }
 
 #ifdef PAGEDQ_AVX2
-// e^x for x <= 0 (softmax after subtracting the max): Cephes' polynomial, ~1e-7 relative error.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 // The horizontal sums of a[0..7], in order, as one vector.
 inline __m256 hsum8(const __m256* a) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -238,6 +221,18 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
   }
 }
 
+// cpu_fused.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_write_kv(torch::Tensor positions, torch::Tensor q, torch::Tensor k, c10::optional<torch::Tensor> v,
+                     torch::Tensor cos, torch::Tensor sin, c10::optional<torch::Tensor> k_cache,
+                     c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slot_mapping);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (one query token per request)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a [rows, n] tensor");
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows [gate | up]");
+  m.def("rotary_write_kv", &rotary_write_kv, "rotate q and k in place; with caches, store k and v at their slots");
 }

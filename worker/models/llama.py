@@ -1,10 +1,11 @@
 """The Llama family on the paged KV cache: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm),
 SmolLM2. One flattened token axis, fused QKV and gate/up projections, attention through `kernels`.
 
-On CUDA the elementwise work between the matmuls goes through fused kernels (`kernels.add_rms_norm`,
-`kernels.silu_and_mul`, `kernels.rotary_write_kv`: rotary embedding folded into the KV-cache write),
-about 10 launches per layer instead of about 37. Elsewhere the plain torch code below runs, operation
-for operation what transformers computes. `LlamaForCausalLM.use_fused_ops` forces either path.
+On CUDA, and on the CPU where the C++ extension is built, the elementwise work between the matmuls
+goes through fused kernels (`kernels.add_rms_norm`, `kernels.silu_and_mul`, `kernels.rotary_write_kv`:
+rotary embedding folded into the KV-cache write), about 10 calls per layer instead of about 37.
+Elsewhere the plain torch code below runs, operation for operation what transformers computes.
+`LlamaForCausalLM.use_fused_ops` forces either path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 
 import kernels
 from kernels import AttentionMetadata
-from kernels.fused import rms_norm_ref, rotate_ref
+from kernels.fused import cpu_extension_for, rms_norm_ref, rotate_ref
 from worker.models.cpu_linear import linear, pack
 
 
@@ -212,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = Rotary(config, attn.head_dim, max_positions or config.max_position_embeddings)
-        # None: fused kernels on CUDA tensors, the plain torch path elsewhere; True/False forces one.
+        # None: fused kernels on CUDA tensors and where the CPU extension is built, the plain torch
+        # path elsewhere; True/False forces one.
         self.use_fused_ops: bool | None = None
 
     def forward(
@@ -224,7 +226,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens.weight)
-        fused = self.use_fused_ops if self.use_fused_ops is not None else x.is_cuda
+        fused = self.use_fused_ops
+        if fused is None:  # fused where a kernel does it: CUDA, or the C++ extension on the CPU
+            fused = x.is_cuda or cpu_extension_for(x) is not None
         if fused:
             residual = None
             for layer, cache in zip(self.layers, kv_caches, strict=True):
