@@ -158,6 +158,10 @@ void rotary_rows(const torch::Tensor& positions, torch::Tensor& q, torch::Tensor
   const int64_t q_t = q.stride(0), q_h = q.stride(1), k_t = k.stride(0), k_h = k.stride(1);
   const int64_t v_t = v ? v->stride(0) : 0, v_h = v ? v->stride(1) : 0;
   const int64_t table_row = cos.stride(0);
+  for (int64_t t = 0; t < tokens; ++t) {  // what indexing would refuse, refused before any write
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_write_kv: position ", pos[t], " outside the tables");
+    TORCH_CHECK(!slot || slot[t] < k_cache->size(0) * BS, "rotary_write_kv: slot ", slot[t], " outside the cache");
+  }
   at::parallel_for(0, tokens, grain((Hq + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
     std::vector<float> c(D), s(D);
     for (int64_t t = begin; t < end; ++t) {

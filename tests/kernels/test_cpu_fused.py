@@ -101,3 +101,16 @@ def test_rotation_alone_without_caches():
     qkv, positions, cos, sin = _rope_problem(torch.bfloat16, 4, 2, 64, 5, seed=1)
     (_, got), (_, want) = _both(_rotate_and_write, qkv, positions, cos, sin, None, None, None, 4, 2, 64)
     assert torch.equal(got[0], want[0])
+
+
+def test_positions_and_slots_outside_their_tensors_are_refused_before_any_write():
+    qkv, positions, cos, sin = _rope_problem(torch.float32, 4, 2, 64, 5, seed=2)
+    k_cache = torch.zeros(2, 8, 2, 64)
+    for bad_positions, bad_slots, match in (
+        (torch.tensor([0, 1, 2, 3, 40]), torch.arange(5), "position 40"),
+        (positions, torch.tensor([0, 1, 2, 3, 16]), "slot 16"),
+    ):
+        before = qkv.clone()
+        with use_backend("cpu"), pytest.raises(RuntimeError, match=match):
+            _rotate_and_write(before, bad_positions, cos, sin, k_cache, torch.zeros_like(k_cache), bad_slots, 4, 2, 64)
+        assert torch.equal(before, qkv) and not k_cache.any()
