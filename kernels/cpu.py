@@ -7,7 +7,8 @@ reference gathers each request's K/V rows into a buffer before two matmuls, whic
 three times; the C++ kernel reads it once, straight from the blocks. It is compiled once with
 torch's extension loader (g++ and ninja, about half a minute, cached under ~/.cache/torch_extensions)
 and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
-reference (and the model takes its plain, unfused path). Prefill chunks are compute-bound matmuls that torch already does well.
+reference (and the model takes its plain, unfused path). Prefill chunks are compute-bound matmuls
+that torch already does well.
 """
 
 from __future__ import annotations
