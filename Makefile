@@ -33,9 +33,15 @@ CLUSTER_TESTS ?= tests/service/test_contract_scripts.py tests/service/test_sdk_c
 	tests/service/test_structured_service.py::test_sigkill_mid_way_through_constrained_requests_then_resume \
 	tests/gateway/test_openai_client.py tests/unit/test_cluster_url.py tests/chaos/test_chaos_cluster.py
 
-.PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server
+.PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server cpu-kernels
 
-setup: $(STAMP) redis-server
+setup: $(STAMP) redis-server cpu-kernels
+
+# The C++ CPU kernels (kernels/csrc/), built once into torch's extension cache before any test or worker
+# needs them (two test processes would otherwise each build them inside a worker's start-up). A no-op
+# once cached; where no compiler works, a warning, and the torch reference serves.
+cpu-kernels: $(STAMP)
+	@$(PY) -c "from kernels.cpu import extension; extension()"
 
 $(PY):
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
