@@ -29,7 +29,7 @@ from kernels.reference import paged_attention_ref, prefill_ref
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_fused.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "cpu_vec.h"]
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the extension takes
 _log = logging.getLogger("pagedq.kernels")
 _lock = threading.Lock()
 _ext = None  # the module, False when it cannot be built, None before the first try
@@ -128,7 +128,7 @@ def _import(name: str, path: Path):
 
 def supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
-        query.dtype in _DTYPES
+        query.dtype in DTYPES
         and k_cache.dtype == query.dtype
         and query.stride(-1) == 1
         and k_cache.stride(-1) == 1

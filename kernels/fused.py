@@ -11,17 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import extension
+from kernels.cpu import DTYPES, extension
 from kernels.dispatch import backend_for, need_triton
-
-_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cpu_extension_for(*tensors: torch.Tensor):
     """The C++ extension when these CPU tensors go to it (the "cpu" backend, a dtype it takes, unit
     stride on the last dim), else None."""
     t = tensors[0]
-    if t.is_cuda or t.dtype not in _CPU_DTYPES or backend_for(t) != "cpu":
+    if t.is_cuda or t.dtype not in DTYPES or backend_for(t) != "cpu":
         return None
     if any(x.stride(-1) != 1 or x.dtype != t.dtype for x in tensors):
         return None

@@ -244,9 +244,8 @@ def queue_liveness(pipe: Any, f: Follower) -> None:
     """The reads `Follower.on_liveness` takes, in its argument order."""
     pipe.exists(f.marker)
     pipe.exists(f.key)
-    if f.entry is not None:
-        lane_stream, entry_id = f.entry
-        pipe.xrange(lane_stream, entry_id, entry_id, count=1)
+    if f.lane_stream is not None and f.entry_id is not None:
+        pipe.xrange(f.lane_stream, f.entry_id, f.entry_id, count=1)
 
 
 # --- submit_many ----------------------------------------------------------------------------------

@@ -234,12 +234,10 @@ class Follower:
         self.failed: Error | None = None
         self.needs_check = False
         self.owner = owner  # gets `reconnects` and `resubmits` counted
-        # The request's entry (lane stream, id) when this reader's handle enqueued it: while the
-        # entry is in its lane the request is queued or running, even after its marker expired.
+        # The request's entry, when this reader's handle enqueued it: while the entry is in its lane
+        # the request is queued or running, even after its marker expired.
         self.lane_stream = keys.lane_stream(model, prepared.lane) if prepared is not None else None
-        self.entry: tuple[str, str] | None = None
-        if self.lane_stream is not None and entry_id is not None:
-            self.entry = (self.lane_stream, entry_id)
+        self.entry_id = entry_id
 
     @property
     def done(self) -> bool:
@@ -324,7 +322,7 @@ class Follower:
 
     def on_liveness(self, marker_exists: int, stream_exists: int, queued: Any = None) -> str | None:
         """After a reconnect or an idle block: returns RESUBMIT, or None to go on reading. `queued`:
-        the XRANGE of the entry in its lane (when `entry` is known). A request waiting longer than the
+        the XRANGE of the entry in its lane (when its lane and id are known). A request waiting longer than the
         marker's TTL is still queued, and is never resubmitted (a second entry would run it twice)."""
         self.backoff.reset()
         self.needs_check = False
@@ -348,11 +346,10 @@ class Follower:
         # The old stream is gone; the new one starts over. Events already seen (at most Started)
         # come again with the same seq and are dropped.
         self.last_id = b"0-0"
-        if result.entry_id is not None and self.lane_stream is not None:
-            self.entry = (self.lane_stream, result.entry_id)
+        self.entry_id = result.entry_id or self.entry_id
         if self.owner is not None:
             self.owner.resubmits += 1
-            self.owner.entry_id = result.entry_id or self.owner.entry_id
+            self.owner.entry_id = self.entry_id
 
     def completion(self) -> Completion:
         return self.builder.build(self.finished)

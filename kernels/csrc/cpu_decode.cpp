@@ -4,7 +4,7 @@
 // once, all KV heads of a position together (one contiguous row of Hkv x D), scored against every
 // query head, and the softmax-weighted V rows are accumulated, in fp32. There is no gather copy:
 // on a CPU this step is bound by memory bandwidth, and reading K/V once is what matters.
-// AVX2 + FMA (+ F16C) when the compiler targets them; plain C++ otherwise.
+// AVX2 + FMA + F16C when the compiler targets them (cpu_vec.h); plain C++ otherwise.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,6 +18,7 @@
 
 #ifdef PAGEDQ_AVX2
 using pagedq_vec::exp256;
+using pagedq_vec::hsum;
 #endif
 
 namespace {
@@ -37,7 +38,7 @@ inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
 
 inline void widen(const at::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(PAGEDQ_AVX2) && defined(__F16C__)
+#ifdef PAGEDQ_AVX2
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
@@ -81,9 +82,7 @@ inline void softmax(float* s, int64_t n) {
     _mm256_storeu_ps(s + i, e);
     vsum = _mm256_add_ps(vsum, e);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vsum);
-  for (float v : lanes) sum += v;
+  sum = hsum(vsum);
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - m);
