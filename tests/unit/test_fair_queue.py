@@ -134,11 +134,11 @@ def test_remove_and_drain():
     es = [entry(t) for t in ("a", "a", "b", "c")]
     for e in es:
         q.push(e)
-    assert q.holds(es[1].entry_id) and len(q) == 4
+    assert q.holds(es[1].key) and len(q) == 4
     assert q.remove_request(es[1].request_id) is es[1]
     assert q.remove_request("req-nope-000000") is None
-    assert not q.holds(es[1].entry_id) and len(q) == 3
-    assert q.remove_entries({es[2].entry_id, "9999-0"}) == [es[2]]
+    assert not q.holds(es[1].key) and len(q) == 3
+    assert q.remove_entries({es[2].key, ("normal", "9999-0")}) == [es[2]]
     assert sorted(q.tenants()) == ["a", "c"]
     assert q.held_by() == Counter({("normal", "a"): 1, ("normal", "c"): 1})
     assert sorted(e.entry_id for e in q.drain()) == sorted([es[0].entry_id, es[3].entry_id])
@@ -153,3 +153,18 @@ def test_virtual_times_of_gone_tenants_are_forgotten():
         q.push(entry("steady"))
         q.pop(weights())
     assert len(q.vtime) < PRUNE_EVERY + 2
+
+
+def test_entries_of_two_lanes_with_the_same_id_are_two_entries():
+    """Stream ids are per stream: the same id in two lanes names two entries (held, counted and
+    removed apart)."""
+    q = FairQueue(LANES)
+    fields = {ENTRY_TENANT_FIELD.encode(): b"a"}
+    high, normal = (Entry(lane, f"stream:{lane}", "7-0", fields) for lane in ("high", "normal"))
+    q.push(high)
+    q.push(normal)
+    assert len(q) == 2 and q.holds(("high", "7-0")) and q.holds(("normal", "7-0"))
+    assert q.pop(weights()) is high
+    assert len(q) == 1 and q.holds(("normal", "7-0")) and not q.holds(("high", "7-0"))
+    q.push(high)
+    assert q.remove_entries({("high", "7-0")}) == [high] and q.entries() == [normal]

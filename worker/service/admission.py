@@ -31,7 +31,7 @@ from producer_sdk.validation import Limits
 from worker.engine.engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.service.closer import EntryCloser
-from worker.service.inflight import Entry, InFlight, InFlightTable
+from worker.service.inflight import Entry, EntryKey, InFlight, InFlightTable
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.replay import CorruptStream, Resume, replay
@@ -48,17 +48,15 @@ class Taken:
     error: Exception | None = None  # what Redis refused for this entry alone (a key of the wrong type, ...)
 
 
-def _superseded(entries: list[Entry]) -> dict[str, str]:
-    """Entry id -> the newest entry id of the same request in `entries`, for every older one."""
+def _superseded(entries: list[Entry]) -> dict[EntryKey, str]:
+    """Entry key -> the newest entry id of the same request in `entries`, for every older one."""
     newest: dict[str, str] = {}
     for e in entries:
         rid = e.request_id
         if rid is not None and (rid not in newest or scripts.entry_newer(e.entry_id, newest[rid])):
             newest[rid] = e.entry_id
     return {
-        e.entry_id: newest[e.request_id]
-        for e in entries
-        if e.request_id is not None and newest[e.request_id] != e.entry_id
+        e.key: newest[e.request_id] for e in entries if e.request_id is not None and newest[e.request_id] != e.entry_id
     }
 
 
@@ -124,12 +122,12 @@ class Admission:
         # Two entries of one request id (a resubmit, say after its marker expired) in one batch: only
         # the newest takes the lease (as `_stale` decides between batches), the others are duplicates.
         newer = _superseded(entries)
-        fresh = [e for e in entries if e.entry_id not in newer]
+        fresh = [e for e in entries if e.key not in newer]
         for e, taken in zip(fresh, await self._take(fresh), strict=True):
             await self._guarded(e, self._admit_taken(e, taken, reclaimed=reclaimed))
         for e in entries:
-            if e.entry_id in newer:
-                msg = f"a newer entry ({newer[e.entry_id]}) of this request id runs it"
+            if e.key in newer:
+                msg = f"a newer entry ({newer[e.key]}) of this request id runs it"
                 await self._guarded(e, self.closer.refuse(e, e.request_id, "duplicate", msg, seq=None))
 
     async def _guarded(self, e: Entry, work) -> None:
@@ -141,7 +139,7 @@ class Admission:
                 raise  # the pull loop retries; the entry stays pending and is reclaimed later
             self.log.exception("admission failed", entry=e.entry_id, request_id=e.request_id)
             rec = self.inflight.get(e.request_id or "")
-            if rec is not None and rec.entry_id == e.entry_id:
+            if rec is not None and rec.key == e.key:
                 self.inflight.pop(rec.request_id)
             msg = f"the worker could not admit this request: {type(err).__name__}: {err}"
             await self.closer.refuse(e, e.request_id, "internal_error", msg, seq=None)
@@ -161,8 +159,8 @@ class Admission:
         for reply in replies:
             if isinstance(reply, Exception) and is_transient(reply):
                 raise reply  # the pull loop retries; the entries stay pending
-        got = {e.entry_id: _taken(replies[3 * i : 3 * i + 3]) for i, e in enumerate(mine)}
-        return [got.get(e.entry_id) for e in entries]
+        got = {e.key: _taken(replies[3 * i : 3 * i + 3]) for i, e in enumerate(mine)}
+        return [got.get(e.key) for e in entries]
 
     def _takes_lease(self, e: Entry) -> bool:
         rec = self.inflight.get(e.request_id or "")
@@ -172,7 +170,7 @@ class Admission:
         rid = e.request_id
         if taken is None:
             mine = self.inflight.get(rid or "")
-            if mine is not None and mine.entry_id == e.entry_id:
+            if mine is not None and mine.key == e.key:
                 return  # our own entry, renewed late: the claim just reset its idle time
             if mine is not None:  # another entry of a request running here: its lease is not this one's
                 await self.closer.refuse(e, rid, "duplicate", "request id already running here", seq=None)

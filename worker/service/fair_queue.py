@@ -17,7 +17,7 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
-from worker.service.inflight import Entry
+from worker.service.inflight import Entry, EntryKey
 
 PRUNE_EVERY = 256  # pops between sweeps of the virtual times of tenants with nothing waiting
 
@@ -28,17 +28,17 @@ class FairQueue:
         self.cost = cost
         self._queues: dict[str, dict[str, deque[tuple[int, Entry]]]] = {lane: {} for lane in self.lanes}
         self._held = Counter[str]()  # tenant -> entries waiting, all lanes
-        self._entry_ids: set[str] = set()
+        self._keys: set[EntryKey] = set()
         self.vtime: dict[str, float] = {}
         self.now = 0.0  # virtual time of the last admission (never decreases)
         self._order = itertools.count()
         self._pops = 0
 
     def __len__(self) -> int:
-        return len(self._entry_ids)
+        return len(self._keys)
 
-    def holds(self, entry_id: str) -> bool:
-        return entry_id in self._entry_ids
+    def holds(self, key: EntryKey) -> bool:
+        return key in self._keys
 
     def tenants(self) -> list[str]:
         """Tenants with entries waiting."""
@@ -49,7 +49,7 @@ class FairQueue:
         if not self._held[tenant]:  # (re)joins: no credit for the time it had nothing waiting
             self.vtime[tenant] = max(self.vtime.get(tenant, self.now), self.now)
         self._held[tenant] += 1
-        self._entry_ids.add(e.entry_id)
+        self._keys.add(e.key)
         self._queues.setdefault(e.lane, {}).setdefault(tenant, deque()).append((next(self._order), e))
         if e.lane not in self.lanes:
             self.lanes.append(e.lane)
@@ -96,16 +96,16 @@ class FairQueue:
                         return item[1]
         return None
 
-    def remove_entries(self, entry_ids: Iterable[str]) -> list[Entry]:
+    def remove_entries(self, keys: Iterable[EntryKey]) -> list[Entry]:
         """Take out these entries (another worker owns them now)."""
-        ids = set(entry_ids) & self._entry_ids
+        gone = set(keys) & self._keys
         out: list[Entry] = []
-        if not ids:
+        if not gone:
             return out
         for queues in self._queues.values():
             for tenant in list(queues):
-                kept = deque(item for item in queues[tenant] if item[1].entry_id not in ids)
-                out += [item[1] for item in queues[tenant] if item[1].entry_id in ids]
+                kept = deque(item for item in queues[tenant] if item[1].key not in gone)
+                out += [item[1] for item in queues[tenant] if item[1].key in gone]
                 if kept:
                     queues[tenant] = kept
                 else:
@@ -124,7 +124,7 @@ class FairQueue:
         for queues in self._queues.values():
             queues.clear()
         self._held.clear()
-        self._entry_ids.clear()
+        self._keys.clear()
         return out
 
     def held_by(self) -> Counter[tuple[str, str]]:
@@ -132,7 +132,7 @@ class FairQueue:
         return Counter({(lane, t): len(q) for lane, queues in self._queues.items() for t, q in queues.items()})
 
     def _forget(self, e: Entry) -> None:
-        self._entry_ids.discard(e.entry_id)
+        self._keys.discard(e.key)
         self._held[e.tenant] -= 1
         if self._held[e.tenant] <= 0:
             del self._held[e.tenant]

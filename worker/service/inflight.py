@@ -11,6 +11,10 @@ from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, ENTRY_T
 from producer_sdk.contract.scripts import lease_epoch
 from producer_sdk.protocol import GenerateRequest
 
+EntryKey = tuple[str, str]
+"""(lane, entry id): what tells entries apart. Stream ids are per stream, so two lanes hand out the
+same id to entries added in the same millisecond."""
+
 
 @dataclass
 class Entry:
@@ -22,6 +26,10 @@ class Entry:
     fields: dict[bytes, bytes]
     deliveries: int = 1
     read_at: float = field(default_factory=time.time)  # when this worker read it from Redis (unix s)
+
+    @property
+    def key(self) -> EntryKey:
+        return self.lane, self.entry_id
 
     @property
     def request_id(self) -> str | None:
@@ -64,6 +72,10 @@ class InFlight:
     resumed_tokens: int = 0  # tokens earlier attempts had delivered when this one began
     read_at: float = 0.0  # when its entry was read from Redis (unix s)
     added_at: float | None = None  # when the engine accepted it (tokenized, queued)
+
+    @property
+    def key(self) -> EntryKey:
+        return self.lane, self.entry_id
 
     @property
     def live(self) -> bool:

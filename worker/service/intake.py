@@ -30,7 +30,7 @@ from producer_sdk.contract import keys
 from producer_sdk.contract.redis_errors import is_transient
 from worker.service.admission import Admission
 from worker.service.fair_queue import FairQueue
-from worker.service.inflight import Entry
+from worker.service.inflight import Entry, EntryKey
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.retry import Backoff
@@ -138,7 +138,7 @@ class Intake:
         if time.monotonic() >= self._next_reclaim:
             self._next_reclaim = time.monotonic() + self.reclaim_interval_s
             # An entry we hold that the claim took back (its renewal came late) is ours already.
-            reclaimed = [e for e in await self._reclaim(room) if not self.holds_entry(e.entry_id)]
+            reclaimed = [e for e in await self._reclaim(room) if not self.holds_entry(e.key)]
             if reclaimed:
                 await self.admission.resume(reclaimed)
                 return  # the room changed: measure it again
@@ -165,8 +165,8 @@ class Intake:
 
     # --- held entries (fair share) ----------------------------------------------------------------
 
-    def holds_entry(self, entry_id: str) -> bool:
-        return self.fair is not None and self.fair.holds(entry_id)
+    def holds_entry(self, key: EntryKey) -> bool:
+        return self.fair is not None and self.fair.holds(key)
 
     def held_entries(self) -> list[Entry]:
         """What this worker holds and has not admitted: to renew along with the in-flight entries."""
@@ -182,9 +182,9 @@ class Intake:
             self._update_gauge()
             await self.admission.admit([e])
 
-    def drop_held(self, entry_ids: set[str]) -> None:
+    def drop_held(self, keys: set[EntryKey]) -> None:
         """Another worker owns these entries now: forget them."""
-        gone = self.fair.remove_entries(entry_ids) if self.fair is not None else []
+        gone = self.fair.remove_entries(keys) if self.fair is not None else []
         if gone:
             self.log.warning("held entries owned by another worker now", count=len(gone))
             self._update_gauge()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 
 from producer_sdk.contract import keys, scripts, steps
-from worker.service.inflight import Entry, InFlight, InFlightTable
+from worker.service.inflight import Entry, EntryKey, InFlight, InFlightTable
 from worker.service.logging import get_logger
 
 
@@ -29,7 +29,7 @@ class Ownership:
         consumer: str,
         on_lost: Callable[[InFlight], None],
         held: Callable[[], list[Entry]] = list,
-        on_held_lost: Callable[[set[str]], None] = lambda ids: None,
+        on_held_lost: Callable[[set[EntryKey]], None] = lambda keys: None,
     ) -> None:
         self.redis = redis
         self.inflight = inflight
@@ -54,17 +54,17 @@ class Ownership:
         """Release entries this worker read but never admitted: the next worker's claim takes them."""
         await self._claim_entries(entries, scripts.HANDOVER_IDLE_MS)
 
-    async def _claim_entries(self, entries: Sequence[Entry | InFlight], idle_ms: int) -> set[str]:
-        """Claim these entries to ourselves with this idle time; the ids another worker owns now."""
+    async def _claim_entries(self, entries: Sequence[Entry | InFlight], idle_ms: int) -> set[EntryKey]:
+        """Claim these entries to ourselves with this idle time; those another worker owns now."""
         by_lane: dict[str, list[str]] = {}
         for e in entries:
             by_lane.setdefault(e.lane, []).append(e.entry_id)
-        lost: set[str] = set()
+        lost: set[EntryKey] = set()
         for lane, ids in by_lane.items():
             ks, args = scripts.claim_own_call(
                 self.model, lane, group=self.group, consumer=self.consumer, idle_ms=idle_ms, entry_ids=ids
             )
-            lost |= scripts.read_claim_own(await steps.CLAIM_OWN.run(self.redis, ks, args))
+            lost |= {(lane, i) for i in scripts.read_claim_own(await steps.CLAIM_OWN.run(self.redis, ks, args))}
         return lost
 
     async def _claim_own(self, recs: list[InFlight], idle_ms: int) -> None:
@@ -74,6 +74,6 @@ class Ownership:
         if lost:
             for rec in recs:
                 # A request retired meanwhile (its final event acked the entry) is not lost.
-                if rec.entry_id in lost and rec.live and self.inflight.get(rec.request_id) is rec:
+                if rec.key in lost and rec.live and self.inflight.get(rec.request_id) is rec:
                     self.log.warning("entry owned by another worker now", request_id=rec.request_id)
                     self.on_lost(rec)

@@ -75,7 +75,7 @@ class WorkerService:
             self.inflight,
             on_lost=self._on_lost,
             held=lambda: self.intake.held_entries(),
-            on_held_lost=lambda entry_ids: self.intake.drop_held(entry_ids),
+            on_held_lost=lambda keys: self.intake.drop_held(keys),
             **common,
         )
         self.closer = EntryCloser(
