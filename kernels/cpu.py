@@ -8,7 +8,8 @@ three times; the C++ kernel reads it once, straight from the blocks. It is compi
 torch's extension loader (g++ and ninja, about half a minute, cached under ~/.cache/torch_extensions)
 and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
 reference (and the model takes its plain, unfused path). Prefill chunks are compute-bound matmuls
-that torch already does well.
+that torch already does well. The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
+with bf16 dot products where avx512_bf16 is, else AVX2; PAGEDQ_CPU_AVX512=0 builds the AVX2 one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, prefill_ref
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_fused.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "cpu_vec.h"]
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("cpu_vec.h", "cpu_decode_avx512.h")]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the extension takes
 _log = logging.getLogger("pagedq.kernels")
 _lock = threading.Lock()
@@ -58,6 +59,11 @@ def _compile_flags() -> list[str]:
     flags = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA where torch multiplies, then adds
     if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c"]
+        wide = os.environ.get("PAGEDQ_CPU_AVX512", "1") != "0"  # 0: the AVX2 decode path (an A/B switch)
+        if wide and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= cpu_flags():
+            flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+            if "avx512_bf16" in cpu_flags():
+                flags.append("-mavx512bf16")
     return flags
 
 

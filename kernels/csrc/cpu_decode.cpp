@@ -4,7 +4,8 @@
 // once, all KV heads of a position together (one contiguous row of Hkv x D), scored against every
 // query head, and the softmax-weighted V rows are accumulated, in fp32. There is no gather copy:
 // on a CPU this step is bound by memory bandwidth, and reading K/V once is what matters.
-// AVX2 + FMA + F16C when the compiler targets them (cpu_vec.h); plain C++ otherwise.
+// AVX-512 where the compiler targets it and the head size is a multiple of 16 (cpu_decode_avx512.h);
+// else AVX2 + FMA + F16C when the compiler targets them (cpu_vec.h); plain C++ otherwise.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,7 +15,10 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_decode_avx512.h"
 #include "cpu_vec.h"
+
+using pagedq_vec::softmax;
 
 #ifdef PAGEDQ_AVX2
 using pagedq_vec::exp256;
@@ -68,29 +72,6 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #endif
-
-// s[i] = exp(s[i] - max) / sum, in place.
-inline void softmax(float* s, int64_t n) {
-  const float m = *std::max_element(s, s + n);
-  int64_t i = 0;
-  float sum = 0.f;
-#ifdef PAGEDQ_AVX2
-  __m256 vsum = _mm256_setzero_ps();
-  const __m256 vm = _mm256_set1_ps(m);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
-    _mm256_storeu_ps(s + i, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  sum = hsum(vsum);
-#endif
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - m);
-    sum += s[i];
-  }
-  const float inv = 1.f / sum;
-  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-}
 
 template <typename T>
 struct Request {
@@ -176,13 +157,25 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const int64_t q_b = q.stride(0), q_h = q.stride(1), o_b = out.stride(0), o_h = out.stride(1);
   const float fscale = static_cast<float>(scale);
 
+#ifdef PAGEDQ_AVX512
+  const bool wide = D % 16 == 0 && D <= pagedq_avx512::kMaxHeadDim;
+#endif
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), kbuf(8 * W), scores;
+#ifdef PAGEDQ_AVX512
+    pagedq_avx512::Scratch<T> scratch;
+#endif
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = sl[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       Request<T> r{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), bt + b * block_tables.stride(0), first,
                    len - first, BS, k_cache.stride(0), k_cache.stride(1)};
+#ifdef PAGEDQ_AVX512
+      if (wide) {
+        pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch);
+        continue;
+      }
+#endif
       for (int64_t hq = 0; hq < Hq; ++hq) {
         widen(qp + b * q_b + hq * q_h, &qf[hq * D], D);
         for (int64_t d = 0; d < D; ++d) qf[hq * D + d] *= fscale;

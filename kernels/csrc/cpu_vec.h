@@ -1,10 +1,12 @@
-// AVX2 helpers shared by the CPU kernels: e^x, and 8 lanes of float / bfloat16 / float16 loaded as
+// Helpers shared by the CPU kernels: a softmax over fp32 scores and, with AVX2, e^x and 8 lanes of float / bfloat16 / float16 loaded as
 // fp32 and stored (rounded to nearest even) back. PAGEDQ_AVX2 is defined when the compiler targets
 // AVX2, FMA and F16C; without them the kernels take their plain C++ loops.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -79,3 +81,30 @@ inline float hsum(__m256 v) {
 
 }  // namespace pagedq_vec
 #endif
+
+namespace pagedq_vec {
+
+// s[i] = exp(s[i] - max) / sum, in place (vectorised where AVX2 is).
+inline void softmax(float* s, int64_t n) {
+  const float m = *std::max_element(s, s + n);
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef PAGEDQ_AVX2
+  __m256 vsum = _mm256_setzero_ps();
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum(vsum);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
+}  // namespace pagedq_vec

@@ -1,0 +1,222 @@
+// The AVX-512 path of the CPU decode attention (cpu_decode.cpp), for head sizes that are a multiple of 16.
+//
+// The AVX2 path stages eight widened K (or V) rows in a buffer and sums each score with a horizontal
+// add: on a bf16 cache most of its instructions are conversions and shuffles, and it runs far below the
+// memory's bandwidth. Here, per query head:
+//   - scores: 16 positions at a time, one fp32 accumulator of 16 lanes each, the partial sums of the
+//     16 folded into one vector of 16 scores by a transpose-and-add tree (sum16). bf16 caches multiply
+//     in hardware where the CPU has avx512_bf16 (vdpbf16ps: bf16 products, fp32 sums); other dtypes
+//     widen to fp32 in registers;
+//   - the weighted sum of V: 16 lanes of one head's output at a time, for all query heads that share
+//     the KV head, each V row widened once in registers and used by all of them.
+// Rows are found through a per-request table of row pointers, built once per block (no division per
+// position). Sums run in fp32 in a different order than the AVX2 path: same values to rounding.
+#pragma once
+
+#include "cpu_vec.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(PAGEDQ_AVX2)
+#define PAGEDQ_AVX512 1
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace pagedq_avx512 {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// The lane sums of a[0..15], in order, as one vector: pairs, then quads, then 128-bit halves, then lanes.
+inline __m512 sum16(const __m512* a) {
+  __m512 s2[8], s4[4], s8[2];
+  for (int j = 0; j < 8; ++j)
+    s2[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d x = _mm512_castps_pd(s2[2 * j]), y = _mm512_castps_pd(s2[2 * j + 1]);
+    s4[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int j = 0; j < 2; ++j)
+    s8[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2 * j], s4[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(s4[2 * j], s4[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s8[0], s8[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s8[0], s8[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __mmask16 first_lanes(int64_t m) { return static_cast<__mmask16>((1u << m) - 1u); }
+
+// q . k for 16 positions (fewer at the end: m), k rows at rows[j] + off; q as fp32 chunks of 16.
+template <typename T>
+inline __m512 dots16(const T* const* rows, int64_t off, int64_t m, const __m512* q, int64_t chunks) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    if (j < m)
+      for (int64_t c = 0; c < chunks; ++c) acc[j] = _mm512_fmadd_ps(q[c], load16(rows[j] + off + 16 * c), acc[j]);
+  }
+  return sum16(acc);
+}
+
+#ifdef __AVX512BF16__
+// The same for bf16 rows and a bf16 query, in hardware: 32 products per instruction, summed in fp32.
+// A head size of 16 mod 32 ends in a half chunk, zero-extended on both sides.
+inline __m512bh bf16x32(const at::BFloat16* p, bool half) {
+  const __m512i v = half ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+                         : _mm512_loadu_si512(p);
+  return reinterpret_cast<const __m512bh&>(v);
+}
+
+inline __m512 dots16_bf16(const at::BFloat16* const* rows, int64_t off, int64_t m, const __m512bh* q, int64_t D) {
+  const int64_t full = D / 32;
+  const bool tail = D % 32 != 0;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    if (j < m) {
+      const at::BFloat16* k = rows[j] + off;
+      for (int64_t c = 0; c < full; ++c) acc[j] = _mm512_dpbf16_ps(acc[j], q[c], bf16x32(k + 32 * c, false));
+      if (tail) acc[j] = _mm512_dpbf16_ps(acc[j], q[full], bf16x32(k + 32 * full, true));
+    }
+  }
+  return sum16(acc);
+}
+#endif
+
+// acc[g * stride .. + 15] += sum_i p[g * n + i] * v_i[col .. col + 15] over the m positions of a tile, for
+// the H query heads (at most 8) that share one KV head; V rows at rows[i] + col.
+template <typename T, int H>
+inline void weighted16(const T* const* rows, int64_t col, int64_t m, const float* p, int64_t n, float* acc,
+                       int64_t stride) {
+  __m512 a[H];
+  for (int g = 0; g < H; ++g) a[g] = _mm512_loadu_ps(acc + g * stride);
+  for (int64_t i = 0; i < m; ++i) {
+    const __m512 v = load16(rows[i] + col);
+    for (int g = 0; g < H; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * n + i]), v, a[g]);
+  }
+  for (int g = 0; g < H; ++g) _mm512_storeu_ps(acc + g * stride, a[g]);
+}
+
+template <typename T>
+inline void weighted16_heads(int heads, const T* const* rows, int64_t col, int64_t m, const float* p, int64_t n,
+                             float* acc, int64_t stride) {
+  switch (heads) {
+    case 1: weighted16<T, 1>(rows, col, m, p, n, acc, stride); break;
+    case 2: weighted16<T, 2>(rows, col, m, p, n, acc, stride); break;
+    case 3: weighted16<T, 3>(rows, col, m, p, n, acc, stride); break;
+    case 4: weighted16<T, 4>(rows, col, m, p, n, acc, stride); break;
+    case 5: weighted16<T, 5>(rows, col, m, p, n, acc, stride); break;
+    case 6: weighted16<T, 6>(rows, col, m, p, n, acc, stride); break;
+    case 7: weighted16<T, 7>(rows, col, m, p, n, acc, stride); break;
+    default: weighted16<T, 8>(rows, col, m, p, n, acc, stride); break;
+  }
+}
+
+// Per-thread buffers, reused from request to request.
+template <typename T>
+struct Scratch {
+  std::vector<const T*> k_rows, v_rows;
+  std::vector<float> scores, acc;
+};
+
+// Pointers to the K and V rows of positions first .. first + n - 1, one block at a time.
+template <typename R, typename T>
+void find_rows(const R& r, Scratch<T>& s) {
+  s.k_rows.resize(r.n);
+  s.v_rows.resize(r.n);
+  for (int64_t i = 0, pos = r.first; i < r.n;) {
+    const int64_t off = pos % r.block_size, m = std::min(r.block_size - off, r.n - i);
+    const int64_t base = r.table[pos / r.block_size] * r.c_blk + off * r.c_pos;
+    for (int64_t t = 0; t < m; ++t) {
+      s.k_rows[i + t] = r.k + base + t * r.c_pos;
+      s.v_rows[i + t] = r.v + base + t * r.c_pos;
+    }
+    i += m;
+    pos += m;
+  }
+}
+
+// Positions are taken a tile at a time, every head over one tile before the next: the tile's rows are
+// read from memory once, whole, and the passes of the heads and 16-lane columns over them hit the cache.
+constexpr int64_t kTile = 64;
+
+// Asks for the rows of positions i0 .. i0 + m - 1 to be brought into the cache: a tile ahead, so that
+// the memory reads of the next tile overlap the arithmetic of this one (the rows of a request are spread
+// over blocks, which the hardware prefetcher does not follow).
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t i0, int64_t m, int64_t bytes) {
+  for (int64_t i = i0; i < i0 + m; ++i) {
+    const char* p = reinterpret_cast<const char*>(rows[i]);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
+// The scaled scores of query head hq over the positions i0 .. i0 + m - 1.
+template <typename T>
+inline void score_tile(const Scratch<T>& s, const T* qh, int64_t off, float scale, int64_t D, int64_t i0, int64_t m,
+                       float* sc) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    __m512bh qv[kMaxHeadDim / 32];
+    for (int64_t c = 0; c * 32 < D; ++c) qv[c] = bf16x32(qh + 32 * c, D - 32 * c < 32);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t i = i0; i < i0 + m; i += 16) {
+      const int64_t k = std::min<int64_t>(16, i0 + m - i);
+      const __m512 d = dots16_bf16(s.k_rows.data() + i, off, k, qv, D);
+      _mm512_mask_storeu_ps(sc + i, first_lanes(k), _mm512_mul_ps(d, vscale));
+    }
+    return;
+  }
+#endif
+  __m512 qv[kMaxHeadDim / 16];
+  for (int64_t c = 0; c < D / 16; ++c) qv[c] = _mm512_mul_ps(load16(qh + 16 * c), _mm512_set1_ps(scale));
+  for (int64_t i = i0; i < i0 + m; i += 16) {
+    const int64_t k = std::min<int64_t>(16, i0 + m - i);
+    _mm512_mask_storeu_ps(sc + i, first_lanes(k), dots16(s.k_rows.data() + i, off, k, qv, D / 16));
+  }
+}
+
+// One request: q [Hq, D] (row stride q_h) against its visible positions, into o [Hq, D] (row stride o_h).
+template <typename R, typename T>
+void decode_one(const R& r, const T* q, int64_t q_h, float scale, int64_t Hq, int64_t Hkv, int64_t D, T* o,
+                int64_t o_h, Scratch<T>& s) {
+  const int64_t G = Hq / Hkv, n = r.n;
+  find_rows(r, s);
+  s.scores.resize(Hq * n);
+  const int64_t row_bytes = Hkv * D * static_cast<int64_t>(sizeof(T));
+  prefetch_rows(s.k_rows.data(), 0, std::min(kTile, n), row_bytes);
+  for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+    prefetch_rows(s.k_rows.data(), i0 + kTile, std::min(kTile, n - i0 - kTile), row_bytes);
+    for (int64_t hq = 0; hq < Hq; ++hq)
+      score_tile(s, q + hq * q_h, (hq / G) * D, scale, D, i0, std::min(kTile, n - i0), s.scores.data() + hq * n);
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq) pagedq_vec::softmax(s.scores.data() + hq * n, n);
+  s.acc.assign(Hq * D, 0.f);
+  prefetch_rows(s.v_rows.data(), 0, std::min(kTile, n), row_bytes);
+  for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+    const int64_t m = std::min(kTile, n - i0);
+    prefetch_rows(s.v_rows.data(), i0 + kTile, std::min(kTile, n - i0 - kTile), row_bytes);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int heads = static_cast<int>(std::min<int64_t>(8, G - g0));
+        const int64_t hq0 = h * G + g0;
+        for (int64_t c = 0; c < D / 16; ++c)
+          weighted16_heads<T>(heads, s.v_rows.data() + i0, h * D + 16 * c, m, s.scores.data() + hq0 * n + i0, n,
+                              s.acc.data() + hq0 * D + 16 * c, D);
+      }
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int64_t d = 0; d < D; ++d) o[hq * o_h + d] = static_cast<T>(s.acc[hq * D + d]);
+}
+
+}  // namespace pagedq_avx512
+#endif
