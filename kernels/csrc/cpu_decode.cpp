@@ -159,6 +159,20 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 
 #ifdef PAGEDQ_AVX512
   const bool wide = D % 16 == 0 && D <= pagedq_avx512::kMaxHeadDim;
+  if (wide && B < at::get_num_threads() && Hkv > 1) {
+    // Fewer requests than threads: one task per (request, KV head), so a lone long request uses them all.
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      pagedq_avx512::Scratch<T> scratch;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b = t / Hkv, h = t % Hkv, len = sl[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        Request<T> r{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), bt + b * block_tables.stride(0), first,
+                     len - first, BS, k_cache.stride(0), k_cache.stride(1)};
+        pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, h, h + 1);
+      }
+    });
+    return;
+  }
 #endif
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), kbuf(8 * W), scores;
@@ -172,7 +186,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
                    len - first, BS, k_cache.stride(0), k_cache.stride(1)};
 #ifdef PAGEDQ_AVX512
       if (wide) {
-        pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch);
+        pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, 0, Hkv);
         continue;
       }
 #endif

@@ -153,9 +153,9 @@ constexpr int64_t kTile = 64;
 // the memory reads of the next tile overlap the arithmetic of this one (the rows of a request are spread
 // over blocks, which the hardware prefetcher does not follow).
 template <typename T>
-inline void prefetch_rows(const T* const* rows, int64_t i0, int64_t m, int64_t bytes) {
+inline void prefetch_rows(const T* const* rows, int64_t i0, int64_t m, int64_t col, int64_t bytes) {
   for (int64_t i = i0; i < i0 + m; ++i) {
-    const char* p = reinterpret_cast<const char*>(rows[i]);
+    const char* p = reinterpret_cast<const char*>(rows[i] + col);
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
   }
 }
@@ -185,27 +185,28 @@ inline void score_tile(const Scratch<T>& s, const T* qh, int64_t off, float scal
   }
 }
 
-// One request: q [Hq, D] (row stride q_h) against its visible positions, into o [Hq, D] (row stride o_h).
+// One request: q [Hq, D] (row stride q_h) against its visible positions, into o [Hq, D] (row stride o_h),
+// for the query heads of KV heads h0 .. h1 - 1 (all of them, or one when a few requests share the threads).
 template <typename R, typename T>
 void decode_one(const R& r, const T* q, int64_t q_h, float scale, int64_t Hq, int64_t Hkv, int64_t D, T* o,
-                int64_t o_h, Scratch<T>& s) {
+                int64_t o_h, Scratch<T>& s, int64_t h0, int64_t h1) {
   const int64_t G = Hq / Hkv, n = r.n;
   find_rows(r, s);
   s.scores.resize(Hq * n);
-  const int64_t row_bytes = Hkv * D * static_cast<int64_t>(sizeof(T));
-  prefetch_rows(s.k_rows.data(), 0, std::min(kTile, n), row_bytes);
+  const int64_t col = h0 * D, bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(T));
+  prefetch_rows(s.k_rows.data(), 0, std::min(kTile, n), col, bytes);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
-    prefetch_rows(s.k_rows.data(), i0 + kTile, std::min(kTile, n - i0 - kTile), row_bytes);
-    for (int64_t hq = 0; hq < Hq; ++hq)
+    prefetch_rows(s.k_rows.data(), i0 + kTile, std::min(kTile, n - i0 - kTile), col, bytes);
+    for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
       score_tile(s, q + hq * q_h, (hq / G) * D, scale, D, i0, std::min(kTile, n - i0), s.scores.data() + hq * n);
   }
-  for (int64_t hq = 0; hq < Hq; ++hq) pagedq_vec::softmax(s.scores.data() + hq * n, n);
+  for (int64_t hq = h0 * G; hq < h1 * G; ++hq) pagedq_vec::softmax(s.scores.data() + hq * n, n);
   s.acc.assign(Hq * D, 0.f);
-  prefetch_rows(s.v_rows.data(), 0, std::min(kTile, n), row_bytes);
+  prefetch_rows(s.v_rows.data(), 0, std::min(kTile, n), col, bytes);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min(kTile, n - i0);
-    prefetch_rows(s.v_rows.data(), i0 + kTile, std::min(kTile, n - i0 - kTile), row_bytes);
-    for (int64_t h = 0; h < Hkv; ++h)
+    prefetch_rows(s.v_rows.data(), i0 + kTile, std::min(kTile, n - i0 - kTile), col, bytes);
+    for (int64_t h = h0; h < h1; ++h)
       for (int64_t g0 = 0; g0 < G; g0 += 8) {
         const int heads = static_cast<int>(std::min<int64_t>(8, G - g0));
         const int64_t hq0 = h * G + g0;
@@ -214,7 +215,7 @@ void decode_one(const R& r, const T* q, int64_t q_h, float scale, int64_t Hq, in
                               s.acc.data() + hq0 * D + 16 * c, D);
       }
   }
-  for (int64_t hq = 0; hq < Hq; ++hq)
+  for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
     for (int64_t d = 0; d < D; ++d) o[hq * o_h + d] = static_cast<T>(s.acc[hq * D + d]);
 }
 

@@ -49,12 +49,18 @@ def test_falls_back_to_the_reference_when_disabled(monkeypatch):
     [(16, 1, 64), (12, 2, 80), (6, 2, 72), (4, 4, 40), (8, 2, 256)],
     ids=["group-16", "half-bf16-chunk", "avx2-path-72", "avx2-path-40", "head-256"],
 )
-def test_head_shapes_on_every_code_path(dtype, num_q_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("lens", [[3, 64, 65, 200], [200]], ids=["4-requests", "1-request"])
+def test_head_shapes_on_every_code_path(dtype, num_q_heads, num_kv_heads, head_dim, lens):
     """Groups wider than one pass of the V sum (8 heads), a head size ending in half a bf16 chunk (80), head
     sizes that are not a multiple of 16 (the AVX2 path even where AVX-512 is), and the widest head; positions
-    across several tiles of 64, a partial one, and a request shorter than 16."""
-    lens = [3, 64, 65, 200]
+    across several tiles of 64, a partial one, and a request shorter than 16. On two threads, so that one
+    request (fewer than the threads) is split by KV head."""
     case = make_case(lens, [1] * len(lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      block_size=16, dtype=dtype)  # fmt: skip
-    got = cpu.paged_attention_cpu(case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = cpu.paged_attention_cpu(case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale)
+    finally:
+        torch.set_num_threads(threads)
     assert rel_err(got, dense_attention(case)) < TOL[dtype]
