@@ -186,7 +186,15 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
                    len - first, BS, k_cache.stride(0), k_cache.stride(1)};
 #ifdef PAGEDQ_AVX512
       if (wide) {
-        pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, 0, Hkv);
+        Request<T> next = r;
+        if (b + 1 < end) {
+          const int64_t len1 = sl[b + 1];
+          next.table = bt + (b + 1) * block_tables.stride(0);
+          next.first = window > 0 ? std::max<int64_t>(0, len1 - window) : 0;
+          next.n = len1 - next.first;
+        }
+        pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, 0, Hkv,
+                                  b + 1 < end ? &next : nullptr);
         continue;
       }
 #endif

@@ -147,16 +147,18 @@ void find_rows(const R& r, Scratch<T>& s) {
 
 // Positions are taken a tile at a time, every head over one tile before the next: the tile's rows are
 // read from memory once, whole, and the passes of the heads and 16-lane columns over them hit the cache.
+// While a tile is scored, the next tile's K rows and this tile's V rows are prefetched; while V is summed,
+// the next request's first K tile.
 constexpr int64_t kTile = 64;
 
 // Asks for the rows of positions i0 .. i0 + m - 1 to be brought into the cache: a tile ahead, so that
 // the memory reads of the next tile overlap the arithmetic of this one (the rows of a request are spread
 // over blocks, which the hardware prefetcher does not follow).
-template <typename T>
+template <int Hint = _MM_HINT_T0, typename T>
 inline void prefetch_rows(const T* const* rows, int64_t i0, int64_t m, int64_t col, int64_t bytes) {
   for (int64_t i = i0; i < i0 + m; ++i) {
     const char* p = reinterpret_cast<const char*>(rows[i] + col);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(Hint));
   }
 }
 
@@ -189,7 +191,7 @@ inline void score_tile(const Scratch<T>& s, const T* qh, int64_t off, float scal
 // for the query heads of KV heads h0 .. h1 - 1 (all of them, or one when a few requests share the threads).
 template <typename R, typename T>
 void decode_one(const R& r, const T* q, int64_t q_h, float scale, int64_t Hq, int64_t Hkv, int64_t D, T* o,
-                int64_t o_h, Scratch<T>& s, int64_t h0, int64_t h1) {
+                int64_t o_h, Scratch<T>& s, int64_t h0, int64_t h1, const R* next = nullptr) {
   const int64_t G = Hq / Hkv, n = r.n;
   find_rows(r, s);
   s.scores.resize(Hq * n);
@@ -197,11 +199,17 @@ void decode_one(const R& r, const T* q, int64_t q_h, float scale, int64_t Hq, in
   prefetch_rows(s.k_rows.data(), 0, std::min(kTile, n), col, bytes);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     prefetch_rows(s.k_rows.data(), i0 + kTile, std::min(kTile, n - i0 - kTile), col, bytes);
+    prefetch_rows<_MM_HINT_T1>(s.v_rows.data(), i0, std::min(kTile, n - i0), col, bytes);
     for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
       score_tile(s, q + hq * q_h, (hq / G) * D, scale, D, i0, std::min(kTile, n - i0), s.scores.data() + hq * n);
   }
   for (int64_t hq = h0 * G; hq < h1 * G; ++hq) pagedq_vec::softmax(s.scores.data() + hq * n, n);
   s.acc.assign(Hq * D, 0.f);
+  if (next != nullptr)  // the next request's first tile of K comes in while this one sums its V rows
+    for (int64_t i = 0; i < std::min(kTile, next->n); ++i) {
+      const char* p = reinterpret_cast<const char*>(next->row(next->k, next->first + i) + col);
+      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
   prefetch_rows(s.v_rows.data(), 0, std::min(kTile, n), col, bytes);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min(kTile, n - i0);

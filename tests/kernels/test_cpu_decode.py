@@ -64,3 +64,12 @@ def test_head_shapes_on_every_code_path(dtype, num_q_heads, num_kv_heads, head_d
     finally:
         torch.set_num_threads(threads)
     assert rel_err(got, dense_attention(case)) < TOL[dtype]
+
+
+def test_the_decode_paths_bench_times_a_build_and_agrees_with_itself():
+    from ops.bench import cpu_decode_paths
+
+    ext = cpu.extension()
+    per_layer, outs = cpu_decode_paths.measure({"a": ext, "b": ext}, torch.float32, 2, 40, (4, 2, 16), layers=2, reps=1)
+    assert per_layer["a"] > 0 and per_layer["b"] > 0
+    assert torch.equal(outs["a"], outs["b"]) and torch.isfinite(outs["a"]).all()
