@@ -156,6 +156,11 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int64_t q_b = q.stride(0), q_h = q.stride(1), o_b = out.stride(0), o_h = out.stride(1);
   const float fscale = static_cast<float>(scale);
+  const auto request = [&](int64_t b) {  // request b's visible positions (the last `window`, if any)
+    const int64_t len = sl[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    return Request<T>{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), bt + b * block_tables.stride(0), first,
+                      len - first, BS, k_cache.stride(0), k_cache.stride(1)};
+  };
 
 #ifdef PAGEDQ_AVX512
   const bool wide = D % 16 == 0 && D <= pagedq_avx512::kMaxHeadDim;
@@ -164,11 +169,9 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
     at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
       pagedq_avx512::Scratch<T> scratch;
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / Hkv, h = t % Hkv, len = sl[b];
-        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        Request<T> r{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), bt + b * block_tables.stride(0), first,
-                     len - first, BS, k_cache.stride(0), k_cache.stride(1)};
-        pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, h, h + 1);
+        const int64_t b = t / Hkv, h = t % Hkv;
+        pagedq_avx512::decode_one(request(b), qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, h,
+                                  h + 1);
       }
     });
     return;
@@ -180,19 +183,10 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
     pagedq_avx512::Scratch<T> scratch;
 #endif
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = sl[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      Request<T> r{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), bt + b * block_tables.stride(0), first,
-                   len - first, BS, k_cache.stride(0), k_cache.stride(1)};
+      const Request<T> r = request(b);
 #ifdef PAGEDQ_AVX512
       if (wide) {
-        Request<T> next = r;
-        if (b + 1 < end) {
-          const int64_t len1 = sl[b + 1];
-          next.table = bt + (b + 1) * block_tables.stride(0);
-          next.first = window > 0 ? std::max<int64_t>(0, len1 - window) : 0;
-          next.n = len1 - next.first;
-        }
+        const Request<T> next = request(std::min(b + 1, B - 1));  // its first rows are prefetched
         pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, 0, Hkv,
                                   b + 1 < end ? &next : nullptr);
         continue;
