@@ -3,7 +3,7 @@
 // One request at a time per thread: its K and V rows are read straight from the cache blocks,
 // once, all KV heads of a position together (one contiguous row of Hkv x D), scored against every
 // query head, and the softmax-weighted V rows are accumulated, in fp32. There is no gather copy:
-// on a CPU this step is bound by memory bandwidth, and reading K/V once is what matters.
+// each K and V row is read from the cache once.
 // AVX-512 where the compiler targets it and the head size is a multiple of 16 (cpu_decode_avx512.h);
 // else AVX2 + FMA + F16C when the compiler targets them (cpu_vec.h); plain C++ otherwise.
 #include <torch/extension.h>
@@ -19,11 +19,6 @@
 #include "cpu_vec.h"
 
 using pagedq_vec::softmax;
-
-#ifdef PAGEDQ_AVX2
-using pagedq_vec::exp256;
-using pagedq_vec::hsum;
-#endif
 
 namespace {
 

@@ -1,6 +1,6 @@
-// Helpers shared by the CPU kernels: a softmax over fp32 scores and, with AVX2, e^x and 8 lanes of float / bfloat16 / float16 loaded as
-// fp32 and stored (rounded to nearest even) back. PAGEDQ_AVX2 is defined when the compiler targets
-// AVX2, FMA and F16C; without them the kernels take their plain C++ loops.
+// Helpers shared by the CPU kernels: a softmax over fp32 scores and, with AVX2, e^x and 8 lanes of
+// float / bfloat16 / float16 loaded as fp32 and stored (rounded to nearest even) back. PAGEDQ_AVX2 is
+// defined when the compiler targets AVX2, FMA and F16C; without them the kernels take plain C++ loops.
 #pragma once
 
 #include <torch/extension.h>

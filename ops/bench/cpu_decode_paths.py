@@ -20,8 +20,7 @@ import time
 import torch
 
 from kernels import cpu
-
-BLOCK = 16
+from ops.bench.common import BLOCK_SIZE
 
 
 def builds() -> dict:
@@ -44,8 +43,8 @@ def builds() -> dict:
 def measure(exts: dict, dtype: torch.dtype, b: int, ctx: int, heads: tuple[int, int, int], layers: int, reps: int):
     hq, hkv, d = heads
     g = torch.Generator().manual_seed(0)
-    blocks = b * -(-ctx // BLOCK)
-    shape = (blocks + 1, BLOCK, hkv, d)
+    blocks = b * -(-ctx // BLOCK_SIZE)
+    shape = (blocks + 1, BLOCK_SIZE, hkv, d)
     caches = [tuple(torch.randn(shape, generator=g).to(dtype) for _ in "kv") for _ in range(layers)]
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     tables = torch.randperm(blocks, generator=g).view(b, -1).to(torch.int32)

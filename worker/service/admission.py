@@ -50,13 +50,15 @@ class Taken:
 
 def _superseded(entries: list[Entry]) -> dict[EntryKey, str]:
     """Entry key -> the newest entry id of the same request in `entries`, for every older one."""
-    newest: dict[str, str] = {}
+    newest: dict[str, Entry] = {}
     for e in entries:
         rid = e.request_id
-        if rid is not None and (rid not in newest or scripts.entry_newer(e.entry_id, newest[rid])):
-            newest[rid] = e.entry_id
+        if rid is not None and (rid not in newest or scripts.entry_newer(e.entry_id, newest[rid].entry_id)):
+            newest[rid] = e
     return {
-        e.key: newest[e.request_id] for e in entries if e.request_id is not None and newest[e.request_id] != e.entry_id
+        e.key: newest[e.request_id].entry_id
+        for e in entries
+        if e.request_id is not None and newest[e.request_id].key != e.key
     }
 
 
