@@ -1,6 +1,7 @@
-"""The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp) and the
-fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py), plus the torch reference for
-prefill chunks.
+"""The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp), the
+fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py) and a bf16 GEMM for the
+projections (csrc/cpu_gemm.cpp, called from worker/models/cpu_linear.py), plus the torch reference
+for prefill chunks.
 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
 reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
@@ -28,7 +29,7 @@ import torch
 from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, prefill_ref
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_fused.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_fused.cpp", "cpu_gemm.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("cpu_vec.h", "cpu_decode_avx512.h")]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the extension takes
 _log = logging.getLogger("pagedq.kernels")

@@ -1,17 +1,22 @@
-"""GEMM paths on this CPU: `F.linear` (MKL) against oneDNN with a packed weight, at a model's shapes.
+"""GEMM paths on this CPU at a model's shapes: `F.linear` (MKL), oneDNN with a packed weight, and
+(bf16, where the CPU has avx512_bf16) pagedq's own GEMM from the C++ extension.
 
     python -m ops.bench.gemm_paths                       # SmolLM2-135M's projections, M = 1, 32, 64, 512
     python -m ops.bench.gemm_paths --rows 64 --dtypes float32
+    python -m ops.bench.gemm_paths --cold --dtypes bfloat16 --rows 1,4,16,64,256
 
-Why the engine packs its CPU weights for oneDNN (`worker/models/cpu_linear.py`): prints, per shape,
-microseconds per call and GFLOP/s of each path, and the largest relative error against a float64
-product (both paths are exact GEMMs in their dtype; only the summation order differs).
+Why the engine packs its CPU weights (`worker/models/cpu_linear.py`): prints, per shape, microseconds
+per call and GFLOP/s of each path, and the largest relative error against a float64 product (every
+path is an exact GEMM in its dtype; only the summation order differs). With `--cold` each call takes
+the next of `--layers` copies of the weight, as a decode step does with the layers of a model, so
+the weights come from memory rather than from cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,7 @@ SMOLLM2_SHAPES = (
     ("down", 576, 1536),
     ("lm_head", 49152, 576),
 )
+PATHS = ("F.linear", "onednn", "pagedq")
 
 
 def _time(fn, reps: int) -> float:
@@ -35,18 +41,47 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def measure(dtype: torch.dtype, m: int, n: int, k: int, reps: int) -> dict:
-    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+def _path_fns(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """One callable per path this machine has, each computing x @ w^T through its own packed copy."""
+    from worker.models.cpu_linear import bf16_gemm
+
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
-    ref = F.linear(x.double(), w.double())
+    fns = {
+        "F.linear": lambda: F.linear(x, w),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    }
+    ext = bf16_gemm() if w.dtype == torch.bfloat16 else None
+    if ext is not None:
+        ours = ext.pack_bf16_weight(w)
+
+        def pagedq() -> torch.Tensor:
+            out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+            ext.bf16_linear(x, ours, None, out)
+            return out
+
+        fns["pagedq"] = pagedq
+    return fns
+
+
+def measure(dtype: torch.dtype, m: int, n: int, k: int, reps: int, layers: int = 1) -> dict:
+    """Per path: us per call, GFLOP/s and relative error. With layers > 1, the calls cycle through that
+    many weight copies (each path its own), so each call reads its weight from memory."""
+    x = torch.randn(m, k, dtype=dtype)
+    copies = [_path_fns(x, torch.randn(n, k, dtype=dtype)) for _ in range(layers)]
+    ref_w = torch.randn(n, k, dtype=dtype)
+    ref = F.linear(x.double(), ref_w.double())
     scale = ref.abs().max().item()
+    check = _path_fns(x, ref_w)
     out = {}
-    for name, fn in (
-        ("F.linear", lambda: F.linear(x, w)),
-        ("onednn", lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")),
-    ):
-        seconds = _time(fn, reps)
-        err = (fn().double() - ref).abs().max().item() / scale
+    for name in check:
+        fns = [c[name] for c in copies]
+
+        def one_round(fns=fns) -> None:
+            for fn in fns:
+                fn()
+
+        seconds = _time(one_round, reps) / layers
+        err = (check[name]().double() - ref).abs().max().item() / scale
         out[name] = {"us": seconds * 1e6, "gflops": 2 * m * n * k / seconds / 1e9, "rel_err": err}
     return out
 
@@ -57,24 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--cold", action="store_true", help="weights from memory: cycle through --layers copies")
+    p.add_argument("--layers", type=int, default=30, help="weight copies per shape with --cold")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(
-        "| dtype | shape | M | F.linear us | GFLOP/s | oneDNN packed us | GFLOP/s | speed-up "
-        "| rel. error F.linear / oneDNN |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    layers = args.layers if args.cold else 1
+    print("| dtype | shape | M | " + " | ".join(f"{name} us | GFLOP/s" for name in PATHS) + " | rel. error |")
+    print("|---|---|---|" + "---|---|" * len(PATHS) + "---|")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name.strip())
         for m in (int(r) for r in args.rows.split(",")):
             for name, n, k in SMOLLM2_SHAPES:
-                r = measure(dtype, m, n, k, max(3, args.reps // (20 if n > 10000 else 1)))
-                a, b = r["F.linear"], r["onednn"]
-                print(
-                    f"| {dtype_name} | {name} {n}x{k} | {m} | {a['us']:,.0f} | {a['gflops']:,.0f} | {b['us']:,.0f} | "
-                    f"{b['gflops']:,.0f} | {a['us'] / b['us']:.2f}x | {a['rel_err']:.0e} / {b['rel_err']:.0e} |",
-                    flush=True,
-                )
+                big = n > 10000
+                reps = max(2, args.reps // (20 if big else 1) // max(1, layers // 5))
+                r = measure(dtype, m, n, k, reps, layers=min(layers, 4) if big else layers)
+                cells = [
+                    f"{r[path]['us']:,.0f} | {r[path]['gflops']:,.0f}" if path in r else "- | -" for path in PATHS
+                ]
+                errs = " / ".join(f"{r[path]['rel_err']:.0e}" for path in PATHS if path in r)
+                print(f"| {dtype_name} | {name} {n}x{k} | {m} | " + " | ".join(cells) + f" | {errs} |", flush=True)
     return 0
 
 

@@ -68,7 +68,7 @@ def test_loaded_model_packs_and_matches_unpacked(llama_dir, monkeypatch):
 
 def test_gemm_paths_bench_measures_both():
     r = gemm_paths.measure(torch.float32, 3, 16, 8, reps=2)
-    assert set(r) == {"F.linear", "onednn"}
+    assert set(r) == {"F.linear", "onednn"}  # pagedq's GEMM is bf16 only
     assert all(v["us"] > 0 and v["rel_err"] < 1e-5 for v in r.values())
 
 
@@ -79,3 +79,53 @@ def test_gemm_caches_are_bounded_for_the_process():
 
     assert int(os.environ["LRU_CACHE_CAPACITY"]) <= 64
     assert int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) <= 64
+
+
+bf16_gemm_here = pytest.mark.skipif(cpu_linear.bf16_gemm() is None, reason="pagedq's bf16 GEMM needs avx512_bf16")
+
+
+@bf16_gemm_here
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_projections_take_pagedqs_gemm(bias):
+    torch.manual_seed(3)
+    mod = _holder(40, 24, bias).to(torch.bfloat16)
+    w, b = mod.weight.clone(), None if mod.bias is None else mod.bias.clone()
+    cpu_linear.pack(mod)
+    assert mod.gemm_weight is not None and getattr(mod, "packed_weight", None) is None
+    assert mod.weight.numel() == 0
+    x3 = torch.randn(2, 5, 24, dtype=torch.bfloat16)
+    want = F.linear(x3.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(cpu_linear.linear(x3, mod).double(), want, rtol=1e-2, atol=2e-2)
+    cols = torch.randn(5, 48, dtype=torch.bfloat16)[:, ::2]  # a non-contiguous input is copied first
+    torch.testing.assert_close(cpu_linear.linear(cols, mod), cpu_linear.linear(cols.contiguous(), mod), rtol=0, atol=0)
+
+
+@bf16_gemm_here
+def test_bf16_falls_back_to_onednn_when_switched_off_or_k_is_odd(monkeypatch):
+    odd = _holder(16, 7, False).to(torch.bfloat16)
+    cpu_linear.pack(odd)
+    assert getattr(odd, "packed_weight", None) is not None and getattr(odd, "gemm_weight", None) is None
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "0")
+    off = _holder(16, 8, False).to(torch.bfloat16)
+    cpu_linear.pack(off)
+    assert getattr(off, "packed_weight", None) is not None and getattr(off, "gemm_weight", None) is None
+
+
+@bf16_gemm_here
+def test_bf16_model_logits_through_the_gemm_match_f_linear(llama_dir, monkeypatch):
+    from worker.models.loader import load_model
+
+    monkeypatch.setenv(cpu_linear.ENV, "0")
+    plain = load_model(llama_dir, dtype="bfloat16", device="cpu").model
+    monkeypatch.setenv(cpu_linear.ENV, "1")
+    packed = load_model(llama_dir, dtype="bfloat16", device="cpu").model
+    assert getattr(packed.layers[0].mlp.down_proj, "gemm_weight", None) is not None
+    hidden = torch.randn(7, plain.config.hidden_size, dtype=torch.bfloat16)
+    torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), rtol=2e-2, atol=2e-2)
+
+
+@bf16_gemm_here
+def test_gemm_paths_bench_times_pagedqs_gemm_cold():
+    r = gemm_paths.measure(torch.bfloat16, 3, 32, 16, reps=2, layers=3)
+    assert set(r) == {"F.linear", "onednn", "pagedq"}
+    assert all(v["us"] > 0 and v["rel_err"] < 1e-2 for v in r.values())

@@ -1,4 +1,4 @@
-"""CPU linear layers through oneDNN with weights packed once at load.
+"""CPU linear layers through weights packed once at load: pagedq's bf16 GEMM, else oneDNN.
 
 `F.linear` on CPU calls MKL's GEMM. On a 2-core AMD EPYC with AVX-512 a [32 x 576] x [576 x 3072] fp32
 product ran 2.6x faster through oneDNN with the weight reordered once into its blocked layout
@@ -6,9 +6,15 @@ product ran 2.6x faster through oneDNN with the weight reordered once into its b
 and bf16 products up to 1.9x faster (`python -m ops.bench.gemm_paths`). Both are exact GEMMs in their
 dtype; only the summation order differs.
 
+In bf16 on a CPU with avx512_bf16, the C++ extension's own GEMM (`kernels/csrc/cpu_gemm.cpp`) takes
+the place of oneDNN: with SmolLM2's 30 layers of weights read from memory, as in a decode step, it ran
+1.2x to 2x faster than oneDNN's packed path at 1 to 128 rows, and level with it from 256 rows up
+(`python -m ops.bench.gemm_paths --cold`).
+
 Packing replaces a projection's weight with its packed copy (the plain weight's storage is freed, so
 weights are not held twice); the embedding table stays plain, and a tied LM head is packed as a copy.
-`PAGEDQ_ONEDNN_LINEAR=0` keeps `F.linear` (for comparisons).
+`PAGEDQ_ONEDNN_LINEAR=0` keeps `F.linear` (for comparisons); `PAGEDQ_CPU_GEMM=0` sends bf16 through
+oneDNN instead of pagedq's GEMM.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ENV = "PAGEDQ_ONEDNN_LINEAR"
+GEMM_ENV = "PAGEDQ_CPU_GEMM"
 # oneDNN and its torch wrapper (ideep) cache one compiled GEMM per input shape, and a step's row count
 # changes from step to step: with their default capacity of 1,024 each, a worker's memory grew by about
 # 2.5 MB per new row count (220 MiB over a 400-request soak). 32 entries hold the shapes of the last 8
@@ -53,21 +60,46 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+def bf16_gemm():
+    """The C++ extension when it has its bf16 GEMM (built where the CPU has avx512_bf16) and
+    PAGEDQ_CPU_GEMM is not 0; else None."""
+    if os.environ.get(GEMM_ENV, "1") == "0":
+        return None
+    from kernels.cpu import extension
+
+    ext = extension()
+    return ext if ext is not None and ext.bf16_gemm_available() else None
+
+
 def pack(module: nn.Module, *, keep_weight: bool = False) -> None:
     """Give `module` (an object with a 2-D `.weight`, optional `.bias`) a packed weight for `linear`."""
     weight = module.weight
-    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     module.out_features = weight.shape[0]
+    ext = bf16_gemm() if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 else None
+    if ext is not None:
+        module.gemm_weight = ext.pack_bf16_weight(weight.detach())
+        module.gemm = ext.bf16_linear
+        bias = getattr(module, "bias", None)
+        module.gemm_bias = None
+        if bias is not None:  # fp32, zero-padded to the packed width, as the kernel adds it to its sums
+            module.gemm_bias = torch.zeros(module.gemm_weight.shape[0] * 16, dtype=torch.float32)
+            module.gemm_bias[: bias.numel()] = bias.detach().float()
+    else:
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     if not keep_weight:  # the packed copy is the weight from now on
         module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
 
 
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """`F.linear(x, module.weight, module.bias)`, through the packed weight when there is one."""
-    bias = getattr(module, "bias", None)
+    gemm = getattr(module, "gemm_weight", None)
     packed = getattr(module, "packed_weight", None)
-    if packed is None:
-        return F.linear(x, module.weight, bias)
+    if packed is None and gemm is None:
+        return F.linear(x, module.weight, getattr(module, "bias", None))
     if x.dim() != 2:
         return linear(x.reshape(-1, x.shape[-1]), module).view(*x.shape[:-1], module.out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if gemm is not None:
+        out = torch.empty(x.shape[0], module.out_features, dtype=x.dtype, device=x.device)
+        module.gemm(x if x.stride(-1) == 1 else x.contiguous(), gemm, module.gemm_bias, out)
+        return out
+    return torch.ops.mkldnn._linear_pointwise(x, packed, getattr(module, "bias", None), "none", [], "")
