@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 big = n > 10000
                 reps = max(2, args.reps // (20 if big else 1) // max(1, layers // 5))
                 r = measure(dtype, m, n, k, reps, layers=min(layers, 4) if big else layers)
-                cells = [
-                    f"{r[path]['us']:,.0f} | {r[path]['gflops']:,.0f}" if path in r else "- | -" for path in PATHS
-                ]
+                cells = [f"{r[path]['us']:,.0f} | {r[path]['gflops']:,.0f}" if path in r else "- | -" for path in PATHS]
                 errs = " / ".join(f"{r[path]['rel_err']:.0e}" for path in PATHS if path in r)
                 print(f"| {dtype_name} | {name} {n}x{k} | {m} | " + " | ".join(cells) + f" | {errs} |", flush=True)
     return 0

@@ -1,6 +1,6 @@
 """The C++ bf16 GEMM (kernels/csrc/cpu_gemm.cpp) against a float64 product of the same bf16 inputs:
-every output within one bf16 step of the exact result (plus fp32's summation error bound), tails of rows and columns written and nothing
-past them, the same bits on one thread and on two."""
+every output within one bf16 step of the exact result (plus fp32's summation error bound), tails of
+rows and columns written and nothing past them, the same bits on one thread and on two."""
 
 from __future__ import annotations
 
@@ -73,10 +73,11 @@ def test_zero_rows_and_bad_arguments():
     assert _run(torch.empty(0, 8, dtype=torch.bfloat16), packed, None, 32).shape == (0, 32)
     with pytest.raises(RuntimeError, match="K must be even"):
         ext.pack_bf16_weight(torch.randn(4, 7, dtype=torch.bfloat16))
+    out32 = torch.empty(2, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="x \\[M, K\\] bf16"):
-        ext.bf16_linear(torch.randn(2, 8), packed, None, torch.empty(2, 32, dtype=torch.bfloat16))
+        ext.bf16_linear(torch.randn(2, 8), packed, None, out32)
     with pytest.raises(RuntimeError, match="packed weight"):
-        ext.bf16_linear(torch.randn(2, 10, dtype=torch.bfloat16), packed, None, torch.empty(2, 32, dtype=torch.bfloat16))
+        ext.bf16_linear(torch.randn(2, 10, dtype=torch.bfloat16), packed, None, out32)
     with pytest.raises(RuntimeError, match="out width"):
         ext.bf16_linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, None, torch.empty(2, 48, dtype=torch.bfloat16))
 
