@@ -8,10 +8,13 @@
 // into panels of 16 output columns, each a contiguous run of K/2 pairs ([N/16][K/2][16][2]), so a
 // tile of up to 6 rows x 64 columns streams four panels front to back, one 64-byte load per panel per
 // pair of K, and every load feeds 6 dot-product instructions. The row pairs of x are broadcast from
-// L1. Threads split the output columns, so each weight byte is read from memory once per call.
+// L1. Threads split the output columns, so each weight byte is read from memory once per call. The
+// first row tile of a group of panels reads them from memory; the later ones find them in L2 and
+// prefetch the next group's lines there, one per pair of K (4-12% faster at 24 to 64 rows here).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -39,9 +42,15 @@ struct Gemm {
   int64_t N;  // valid output columns
 };
 
+// Cache lines to bring into L2 while a tile runs, one per pair of K: the next group of panels.
+struct Prefetch {
+  const char* at = nullptr;
+  const char* end = nullptr;
+};
+
 // Rows [m, m + R) x panels [p, p + P) over all of K; the sums stay in registers.
 template <int R, int P>
-inline void tile(const Gemm& g, int64_t m, int64_t p) {
+inline void tile(const Gemm& g, int64_t m, int64_t p, Prefetch& pf) {
   const int64_t stride = g.K2 * 2 * kPanel;  // elements per panel
   const uint16_t* w = g.w + p * stride;
   const uint16_t* x = g.x + m * g.ldx;
@@ -53,6 +62,10 @@ inline void tile(const Gemm& g, int64_t m, int64_t p) {
   for (int64_t kk = 0; kk < g.K2; ++kk) {
     __m512i wv[P];
     for (int j = 0; j < P; ++j) wv[j] = _mm512_loadu_si512(w + j * stride + kk * 2 * kPanel);
+    if (pf.at < pf.end) {
+      _mm_prefetch(pf.at, _MM_HINT_T1);
+      pf.at += 64;
+    }
     for (int r = 0; r < R; ++r) {
       int32_t pair;  // x[m + r, 2kk], x[m + r, 2kk + 1]
       std::memcpy(&pair, x + r * g.ldx + 2 * kk, sizeof(pair));
@@ -71,28 +84,37 @@ inline void tile(const Gemm& g, int64_t m, int64_t p) {
   }
 }
 
+// Rows [m0, m1) of panels [p, p + P); the tiles after the first prefetch `next`.
 template <int P>
-inline void rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p) {
+inline void rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, Prefetch next) {
+  Prefetch none;
+  Prefetch* pf = &none;  // the first tile streams its panels from memory: no prefetch beside it
   int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows) tile<kTileRows, P>(g, m, p);
+  for (; m + kTileRows <= m1; m += kTileRows, pf = &next) tile<kTileRows, P>(g, m, p, *pf);
   switch (m1 - m) {
-    case 1: tile<1, P>(g, m, p); break;
-    case 2: tile<2, P>(g, m, p); break;
-    case 3: tile<3, P>(g, m, p); break;
-    case 4: tile<4, P>(g, m, p); break;
-    case 5: tile<5, P>(g, m, p); break;
+    case 1: tile<1, P>(g, m, p, *pf); break;
+    case 2: tile<2, P>(g, m, p, *pf); break;
+    case 3: tile<3, P>(g, m, p, *pf); break;
+    case 4: tile<4, P>(g, m, p, *pf); break;
+    case 5: tile<5, P>(g, m, p, *pf); break;
     default: break;
   }
 }
 
 // Panels [p0, p1) for rows [m0, m1), four panels (64 columns) at a time.
 inline void panels(const Gemm& g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+  const int64_t bytes = g.K2 * 2 * kPanel * sizeof(uint16_t);  // per panel
+  const char* base = reinterpret_cast<const char*>(g.w);
+  auto group_after = [&](int64_t p) {  // the panels a tile group at p should prefetch
+    const int64_t a = std::min(p + kMaxPanels, p1), b = std::min(p + 2 * kMaxPanels, p1);
+    return Prefetch{base + a * bytes, base + b * bytes};
+  };
   int64_t p = p0;
-  for (; p + kMaxPanels <= p1; p += kMaxPanels) rows<kMaxPanels>(g, m0, m1, p);
+  for (; p + kMaxPanels <= p1; p += kMaxPanels) rows<kMaxPanels>(g, m0, m1, p, group_after(p));
   switch (p1 - p) {
-    case 1: rows<1>(g, m0, m1, p); break;
-    case 2: rows<2>(g, m0, m1, p); break;
-    case 3: rows<3>(g, m0, m1, p); break;
+    case 1: rows<1>(g, m0, m1, p, Prefetch{}); break;
+    case 2: rows<2>(g, m0, m1, p, Prefetch{}); break;
+    case 3: rows<3>(g, m0, m1, p, Prefetch{}); break;
     default: break;
   }
 }
@@ -138,7 +160,7 @@ void bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
                bias ? bias->data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0), N};
   const int64_t M = x.size(0);
   at::parallel_for(0, panel_count, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m = 0; m < M; m += kBlockRows) panels(g, m, m + kBlockRows < M ? m + kBlockRows : M, p0, p1);
+    for (int64_t m = 0; m < M; m += kBlockRows) panels(g, m, std::min(m + kBlockRows, M), p0, p1);
   });
 #else
   TORCH_CHECK(false, "bf16_linear: built without avx512_bf16");

@@ -8,7 +8,7 @@ from `getrusage` in that subprocess, `torch.set_num_threads(threads)`):
                 `--single-requests` is below `--requests`: it is the slow one)
     hf-static   transformers `generate`, batches of 16 in arrival order, left padding
     hf-cb       transformers continuous batching (the `generate_batch` engine), tuned sizes
-    matmul      a 2048^3 product in the same dtype and threads, the faster of torch's GEMM paths: the ceiling
+    matmul      a 2048^3 product in the same dtype and threads, the fastest GEMM path here: the ceiling
 
 Systems run round-robin inside each repeat (the order rotated from one repeat to the next), so slow
 drifts of a shared machine hit all of them; each
@@ -75,13 +75,13 @@ def _peak_rss_mb() -> float:
 
 
 def measure_matmul(dtype: str, device: str, n: int = 2048, reps: int = 10) -> dict:
-    """The hardware ceiling: the faster of `F.linear` and (on CPU) oneDNN with a packed weight, the
-    two GEMM paths torch offers here, on an n^3 product."""
+    """The hardware ceiling: the fastest GEMM path here on an n^3 product: `F.linear`, and on CPU
+    oneDNN with a packed weight and (bf16 with avx512_bf16) pagedq's own GEMM."""
     import torch
     import torch.nn.functional as F
 
     from ops.bench.hf_baselines import DTYPES, sync
-    from worker.models.cpu_linear import onednn_available
+    from worker.models.cpu_linear import bf16_gemm, onednn_available
 
     dt = DTYPES[dtype]
     x = torch.randn(n, n, dtype=dt, device=device)
@@ -90,6 +90,10 @@ def measure_matmul(dtype: str, device: str, n: int = 2048, reps: int = 10) -> di
     if device == "cpu" and onednn_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         paths["onednn-packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    ext = bf16_gemm() if device == "cpu" and dt == torch.bfloat16 else None
+    if ext is not None:
+        ours, out = ext.pack_bf16_weight(w), torch.empty(n, n, dtype=dt)
+        paths["pagedq-gemm"] = lambda: ext.bf16_linear(x, ours, None, out)
     per_path = {}
     for name, fn in paths.items():
         for _ in range(3):
