@@ -2,15 +2,15 @@
 // one rounding to bf16, built only where the CPU has avx512_bf16 (`vdpbf16ps`).
 //
 // Why not oneDNN alone: a decode step multiplies a few to 64 rows by every weight of the model, once.
-// oneDNN's packed GEMM read SmolLM2's weights at 22-34 GB/s at 1-4 rows (a plain streaming read does
-// 48 GB/s here) and reached about 57% of its own 2048^3 rate at 64 rows, with the weights coming from
-// memory rather than cache. This kernel is shaped for that case: the weight is packed once at load
+// On a 2-core AMD EPYC, oneDNN's packed GEMM read SmolLM2's weights at 22-34 GB/s at 1-4 rows (a plain
+// streaming read did 48 GB/s) and reached about 57% of its own 2048^3 rate at 64 rows, with the
+// weights coming from memory rather than cache. This kernel is shaped for that case: the weight is packed once at load
 // into panels of 16 output columns, each a contiguous run of K/2 pairs ([N/16][K/2][16][2]), so a
 // tile of up to 6 rows x 64 columns streams four panels front to back, one 64-byte load per panel per
 // pair of K, and every load feeds 6 dot-product instructions. The row pairs of x are broadcast from
 // L1. Threads split the output columns, so each weight byte is read from memory once per call. The
 // first row tile of a group of panels reads them from memory; the later ones find them in L2 and
-// prefetch the next group's lines there, one per pair of K (4-12% faster at 24 to 64 rows here).
+// prefetch the next group's lines there, one per pair of K (4-12% faster at 24 to 64 rows in an A/B).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -8,8 +8,8 @@ dtype; only the summation order differs.
 
 In bf16 on a CPU with avx512_bf16, the C++ extension's own GEMM (`kernels/csrc/cpu_gemm.cpp`) takes
 the place of oneDNN: with SmolLM2's 30 layers of weights read from memory, as in a decode step, it ran
-1.2x to 2x faster than oneDNN's packed path at 1 to 128 rows, and level with it from 256 rows up
-(`python -m ops.bench.gemm_paths --cold`).
+1.1x to 4.8x faster than oneDNN's packed path per shape at 1 to 64 rows, and at 0.93x to 1.19x of it
+from 256 rows up (`python -m ops.bench.gemm_paths --cold`, ops/bench/RESULTS.md).
 
 Packing replaces a projection's weight with its packed copy (the plain weight's storage is freed, so
 weights are not held twice); the embedding table stays plain, and a tied LM head is packed as a copy.
