@@ -232,9 +232,9 @@ void rotary_write_kv(torch::Tensor positions, torch::Tensor q, torch::Tensor k, 
                      torch::Tensor cos, torch::Tensor sin, c10::optional<torch::Tensor> k_cache,
                      c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slot_mapping);
 // cpu_gemm.cpp
-bool bf16_gemm_available();
-torch::Tensor pack_bf16_weight(torch::Tensor weight);
-void bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
+std::vector<std::string> gemm_dtypes();
+torch::Tensor pack_gemm_weight(torch::Tensor weight);
+void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (one query token per request)");
@@ -242,7 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows [gate | up]");
   m.def("rotary_write_kv", &rotary_write_kv, "rotate q and k in place; with caches, store k and v at their slots");
-  m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was built (the CPU has avx512_bf16)");
-  m.def("pack_bf16_weight", &pack_bf16_weight, "a [N, K] bf16 weight in bf16_linear's panel layout");
-  m.def("bf16_linear", &bf16_linear, "out = x @ W^T (+ bias) through a packed bf16 weight");
+  m.def("gemm_dtypes", &gemm_dtypes, "the dtypes gemm_linear was built for (AVX-512: float32; avx512_bf16: bfloat16)");
+  m.def("pack_gemm_weight", &pack_gemm_weight, "a [N, K] weight in gemm_linear's panel layout");
+  m.def("gemm_linear", &gemm_linear, "out = x @ W^T (+ bias) through a packed weight");
 }

@@ -1,5 +1,6 @@
 """GEMM paths on this CPU at a model's shapes: `F.linear` (MKL), oneDNN with a packed weight, and
-(bf16, where the CPU has avx512_bf16) pagedq's own GEMM from the C++ extension.
+pagedq's own GEMM from the C++ extension (fp32 where the CPU has AVX-512, bf16 where it has
+avx512_bf16).
 
     python -m ops.bench.gemm_paths                       # SmolLM2-135M's projections, M = 1, 32, 64, 512
     python -m ops.bench.gemm_paths --rows 64 --dtypes float32
@@ -43,20 +44,20 @@ def _time(fn, reps: int) -> float:
 
 def _path_fns(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """One callable per path this machine has, each computing x @ w^T through its own packed copy."""
-    from worker.models.cpu_linear import bf16_gemm
+    from worker.models.cpu_linear import gemm_for
 
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     fns = {
         "F.linear": lambda: F.linear(x, w),
         "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
     }
-    ext = bf16_gemm() if w.dtype == torch.bfloat16 else None
+    ext = gemm_for(w.dtype)
     if ext is not None:
-        ours = ext.pack_bf16_weight(w)
+        ours = ext.pack_gemm_weight(w)
 
         def pagedq() -> torch.Tensor:
             out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-            ext.bf16_linear(x, ours, None, out)
+            ext.gemm_linear(x, ours, None, out)
             return out
 
         fns["pagedq"] = pagedq

@@ -76,12 +76,12 @@ def _peak_rss_mb() -> float:
 
 def measure_matmul(dtype: str, device: str, n: int = 2048, reps: int = 10) -> dict:
     """The hardware ceiling: the fastest GEMM path here on an n^3 product: `F.linear`, and on CPU
-    oneDNN with a packed weight and (bf16 with avx512_bf16) pagedq's own GEMM."""
+    oneDNN with a packed weight and pagedq's own GEMM (where it is built for the dtype)."""
     import torch
     import torch.nn.functional as F
 
     from ops.bench.hf_baselines import DTYPES, sync
-    from worker.models.cpu_linear import bf16_gemm, onednn_available
+    from worker.models.cpu_linear import gemm_for, onednn_available
 
     dt = DTYPES[dtype]
     x = torch.randn(n, n, dtype=dt, device=device)
@@ -90,10 +90,10 @@ def measure_matmul(dtype: str, device: str, n: int = 2048, reps: int = 10) -> di
     if device == "cpu" and onednn_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         paths["onednn-packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    ext = bf16_gemm() if device == "cpu" and dt == torch.bfloat16 else None
+    ext = gemm_for(dt) if device == "cpu" else None
     if ext is not None:
-        ours, out = ext.pack_bf16_weight(w), torch.empty(n, n, dtype=dt)
-        paths["pagedq-gemm"] = lambda: ext.bf16_linear(x, ours, None, out)
+        ours, out = ext.pack_gemm_weight(w), torch.empty(n, n, dtype=dt)
+        paths["pagedq-gemm"] = lambda: ext.gemm_linear(x, ours, None, out)
     per_path = {}
     for name, fn in paths.items():
         for _ in range(3):

@@ -1,6 +1,7 @@
-"""The C++ bf16 GEMM (kernels/csrc/cpu_gemm.cpp) against a float64 product of the same bf16 inputs:
-every output within one bf16 step of the exact result (plus fp32's summation error bound), tails of
-rows and columns written and nothing past them, the same bits on one thread and on two."""
+"""The C++ GEMM (kernels/csrc/cpu_gemm.cpp) against a float64 product of the same inputs, in fp32 and
+bf16: every output within fp32's summation error bound (plus, in bf16, one bf16 step of the exact
+result), tails of rows and columns written and nothing past them, the same bits on one thread and on
+two."""
 
 from __future__ import annotations
 
@@ -8,38 +9,45 @@ import pytest
 import torch
 
 from kernels import cpu
-from worker.models.cpu_linear import bf16_gemm
+from worker.models.cpu_linear import gemm_for
 
-ext = bf16_gemm()
-pytestmark = pytest.mark.skipif(ext is None, reason="the bf16 GEMM is built only where the CPU has avx512_bf16")
 SENTINEL = -7.0
+DTYPES = [
+    pytest.param(
+        dt, id=name, marks=pytest.mark.skipif(gemm_for(dt) is None, reason=f"pagedq's GEMM not built for {name}")
+    )
+    for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+]
 
 
-def _bf16_step(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bf16 values at |x| (8 significand bits)."""
+def _step(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` values at |x| (zero for fp32, whose rounding is inside the sum's bound)."""
+    if dtype == torch.float32:
+        return torch.zeros_like(x)
     exponent = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
     return torch.pow(2.0, exponent - 7)
 
 
 def _run(x, packed, bias, n, pad=16):
     """The kernel's output written into the first n columns of a wider, pre-filled buffer."""
-    buf = torch.full((x.shape[0], n + pad), SENTINEL, dtype=torch.bfloat16)
-    ext.bf16_linear(x, packed, bias, buf[:, :n])
+    buf = torch.full((x.shape[0], n + pad), SENTINEL, dtype=x.dtype)
+    gemm_for(x.dtype).gemm_linear(x, packed, bias, buf[:, :n])
     assert torch.all(buf[:, n:] == SENTINEL), "wrote past the last column"
     return buf[:, :n]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [(1, 16, 2), (5, 40, 64), (6, 64, 576), (7, 200, 96), (13, 960, 576), (250, 72, 1538), (64, 3072, 576)],
 )
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_matches_the_exact_product(m, n, k, with_bias):
+def test_matches_the_exact_product(dtype, m, n, k, with_bias):
     torch.manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k + 6, dtype=torch.bfloat16)[:, 3 : 3 + k]  # rows strided, as a slice of a wider tensor
-    w = torch.randn(n, k, dtype=torch.bfloat16)
-    bias = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
-    packed = ext.pack_bf16_weight(w)
+    x = torch.randn(m, k + 6, dtype=dtype)[:, 3 : 3 + k]  # rows strided, as a slice of a wider tensor
+    w = torch.randn(n, k, dtype=dtype)
+    bias = torch.randn(n, dtype=dtype) if with_bias else None
+    packed = gemm_for(dtype).pack_gemm_weight(w)
     padded_bias = None
     if bias is not None:
         padded_bias = torch.zeros(packed.shape[0] * 16)
@@ -47,15 +55,18 @@ def test_matches_the_exact_product(m, n, k, with_bias):
     exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     got = _run(x, packed, padded_bias, n).double()
     # fp32 sums of k terms can be off by k * 2^-24 of the terms' magnitudes (it matters near zero)
-    summation = k * 2.0**-24 * (x.double().abs() @ w.double().abs().t() + (0 if bias is None else bias.double().abs()))
-    assert torch.all((got - exact).abs() <= _bf16_step(exact) + summation), "an output off by more than one bf16 step"
-    assert (got == exact.to(torch.bfloat16).double()).float().mean() > 0.9  # mostly the correctly rounded value
+    terms = x.double().abs() @ w.double().abs().t() + (0 if bias is None else bias.double().abs())
+    bound = _step(exact, dtype) + (k + 1) * 2.0**-24 * terms
+    assert torch.all((got - exact).abs() <= bound), "an output outside the error bound"
+    if dtype == torch.bfloat16:  # mostly the correctly rounded value
+        assert (got == exact.to(torch.bfloat16).double()).float().mean() > 0.9
 
 
-def test_one_thread_and_two_give_the_same_bits():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_thread_and_two_give_the_same_bits(dtype):
     torch.manual_seed(1)
-    x, w = torch.randn(37, 576, dtype=torch.bfloat16), torch.randn(1000, 576, dtype=torch.bfloat16)
-    packed = ext.pack_bf16_weight(w)
+    x, w = torch.randn(37, 576, dtype=dtype), torch.randn(1000, 576, dtype=dtype)
+    packed = gemm_for(dtype).pack_gemm_weight(w)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -67,20 +78,31 @@ def test_one_thread_and_two_give_the_same_bits():
     assert torch.equal(one, two)
 
 
-def test_zero_rows_and_bad_arguments():
-    w = torch.randn(32, 8, dtype=torch.bfloat16)
-    packed = ext.pack_bf16_weight(w)
-    assert _run(torch.empty(0, 8, dtype=torch.bfloat16), packed, None, 32).shape == (0, 32)
-    with pytest.raises(RuntimeError, match="K must be even"):
-        ext.pack_bf16_weight(torch.randn(4, 7, dtype=torch.bfloat16))
-    out32 = torch.empty(2, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="x \\[M, K\\] bf16"):
-        ext.bf16_linear(torch.randn(2, 8), packed, None, out32)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_rows_and_bad_arguments(dtype):
+    ext = gemm_for(dtype)
+    packed = ext.pack_gemm_weight(torch.randn(32, 8, dtype=dtype))
+    assert _run(torch.empty(0, 8, dtype=dtype), packed, None, 32).shape == (0, 32)
+    out32 = torch.empty(2, 32, dtype=dtype)
+    with pytest.raises(RuntimeError, match="of a built dtype"):
+        ext.gemm_linear(torch.randn(2, 8, dtype=torch.float16), packed, None, out32)
     with pytest.raises(RuntimeError, match="packed weight"):
-        ext.bf16_linear(torch.randn(2, 10, dtype=torch.bfloat16), packed, None, out32)
+        ext.gemm_linear(torch.randn(2, 10, dtype=dtype), packed, None, out32)
     with pytest.raises(RuntimeError, match="out width"):
-        ext.bf16_linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, None, torch.empty(2, 48, dtype=torch.bfloat16))
+        ext.gemm_linear(torch.randn(2, 8, dtype=dtype), packed, None, torch.empty(2, 48, dtype=dtype))
+    with pytest.raises(RuntimeError, match="bias fp32, padded"):
+        ext.gemm_linear(torch.randn(2, 8, dtype=dtype), packed, torch.zeros(31), out32)
 
 
-def test_the_extension_reports_the_gemm_where_the_cpu_has_bf16_dot_products():
-    assert ext.bf16_gemm_available() == ("avx512_bf16" in cpu.cpu_flags())
+@pytest.mark.skipif(gemm_for(torch.bfloat16) is None, reason="pagedq's GEMM not built for bf16")
+def test_bf16_k_must_be_even():
+    with pytest.raises(RuntimeError, match="K must be even"):
+        gemm_for(torch.bfloat16).pack_gemm_weight(torch.randn(4, 7, dtype=torch.bfloat16))
+
+
+def test_the_extension_builds_the_gemm_for_what_the_cpu_has():
+    ext = cpu.extension()
+    assert ext is not None
+    flags = cpu._compile_flags()  # AVX-512 where the CPU has it and PAGEDQ_CPU_AVX512 is not 0
+    want = (["float32"] if "-mavx512f" in flags else []) + (["bfloat16"] if "-mavx512bf16" in flags else [])
+    assert ext.gemm_dtypes() == want

@@ -14,6 +14,11 @@ from worker.models import cpu_linear
 pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="torch built without oneDNN")
 
 
+def _packed(module: nn.Module) -> bool:
+    """Packed for pagedq's GEMM or for oneDNN's."""
+    return getattr(module, "gemm_weight", None) is not None or getattr(module, "packed_weight", None) is not None
+
+
 def _holder(n: int, k: int, bias: bool) -> nn.Module:
     m = nn.Module()
     m.weight = nn.Parameter(torch.randn(n, k), requires_grad=False)
@@ -59,16 +64,16 @@ def test_loaded_model_packs_and_matches_unpacked(llama_dir, monkeypatch):
     plain = load_model(llama_dir, dtype="float32", device="cpu").model
     monkeypatch.setenv(cpu_linear.ENV, "1")
     packed = load_model(llama_dir, dtype="float32", device="cpu").model
-    layer = packed.layers[0]
-    assert getattr(layer.self_attn.qkv_proj, "packed_weight", None) is not None
-    assert getattr(plain.layers[0].self_attn.qkv_proj, "packed_weight", None) is None
+    assert _packed(packed.layers[0].self_attn.qkv_proj)
+    assert not _packed(plain.layers[0].self_attn.qkv_proj)
     hidden = torch.randn(7, plain.config.hidden_size)
     torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5)
 
 
 def test_gemm_paths_bench_measures_both():
     r = gemm_paths.measure(torch.float32, 3, 16, 8, reps=2)
-    assert set(r) == {"F.linear", "onednn"}  # pagedq's GEMM is bf16 only
+    ours = {"pagedq"} if cpu_linear.gemm_for(torch.float32) is not None else set()
+    assert set(r) == {"F.linear", "onednn"} | ours
     assert all(v["us"] > 0 and v["rel_err"] < 1e-5 for v in r.values())
 
 
@@ -81,7 +86,9 @@ def test_gemm_caches_are_bounded_for_the_process():
     assert int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) <= 64
 
 
-bf16_gemm_here = pytest.mark.skipif(cpu_linear.bf16_gemm() is None, reason="pagedq's bf16 GEMM needs avx512_bf16")
+bf16_gemm_here = pytest.mark.skipif(
+    cpu_linear.gemm_for(torch.bfloat16) is None, reason="pagedq's bf16 GEMM needs avx512_bf16"
+)
 
 
 @bf16_gemm_here
@@ -129,3 +136,16 @@ def test_gemm_paths_bench_times_pagedqs_gemm_cold():
     r = gemm_paths.measure(torch.bfloat16, 3, 32, 16, reps=2, layers=3)
     assert set(r) == {"F.linear", "onednn", "pagedq"}
     assert all(v["us"] > 0 and v["rel_err"] < 1e-2 for v in r.values())
+
+
+@pytest.mark.skipif(cpu_linear.gemm_for(torch.float32) is None, reason="pagedq's fp32 GEMM needs AVX-512")
+def test_fp32_projections_take_pagedqs_gemm_unless_switched_off(monkeypatch):
+    mod, off = _holder(24, 40, True), nn.Module()
+    off.weight, off.bias = (nn.Parameter(p.clone(), requires_grad=False) for p in (mod.weight, mod.bias))
+    cpu_linear.pack(mod)
+    assert mod.gemm_weight is not None and getattr(mod, "packed_weight", None) is None
+    monkeypatch.setenv(cpu_linear.GEMM_ENV, "0")
+    cpu_linear.pack(off)
+    assert off.packed_weight is not None and getattr(off, "gemm_weight", None) is None
+    x = torch.randn(9, 40)
+    torch.testing.assert_close(cpu_linear.linear(x, mod), cpu_linear.linear(x, off), rtol=1e-5, atol=1e-5)

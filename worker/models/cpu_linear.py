@@ -60,25 +60,27 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def bf16_gemm():
-    """The C++ extension when it has its bf16 GEMM (built where the CPU has avx512_bf16) and
-    PAGEDQ_CPU_GEMM is not 0; else None."""
+def gemm_for(dtype: torch.dtype):
+    """The C++ extension when its GEMM was built for `dtype` (float32 where the CPU has AVX-512,
+    bfloat16 where it has avx512_bf16) and PAGEDQ_CPU_GEMM is not 0; else None."""
     if os.environ.get(GEMM_ENV, "1") == "0":
         return None
     from kernels.cpu import extension
 
     ext = extension()
-    return ext if ext is not None and ext.bf16_gemm_available() else None
+    return ext if ext is not None and str(dtype).removeprefix("torch.") in ext.gemm_dtypes() else None
 
 
 def pack(module: nn.Module, *, keep_weight: bool = False) -> None:
     """Give `module` (an object with a 2-D `.weight`, optional `.bias`) a packed weight for `linear`."""
     weight = module.weight
     module.out_features = weight.shape[0]
-    ext = bf16_gemm() if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 else None
+    ext = gemm_for(weight.dtype)
+    if ext is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
+        ext = None  # bf16 K is packed in pairs
     if ext is not None:
-        module.gemm_weight = ext.pack_bf16_weight(weight.detach())
-        module.gemm = ext.bf16_linear
+        module.gemm_weight = ext.pack_gemm_weight(weight.detach())
+        module.gemm = ext.gemm_linear
         bias = getattr(module, "bias", None)
         module.gemm_bias = None
         if bias is not None:  # fp32, zero-padded to the packed width, as the kernel adds it to its sums
