@@ -6,11 +6,12 @@ for prefill chunks.
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
 reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
 three times; the C++ kernel reads it once, straight from the blocks. It is compiled once with
-torch's extension loader (g++ and ninja, about half a minute, cached under ~/.cache/torch_extensions)
+torch's extension loader (g++ and ninja, under a minute, cached under ~/.cache/torch_extensions)
 and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
 reference (and the model takes its plain, unfused path). Prefill chunks are compute-bound matmuls
 that torch already does well. The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
-with bf16 dot products where avx512_bf16 is, else AVX2; PAGEDQ_CPU_AVX512=0 builds the AVX2 one.
+with bf16 dot products where avx512_bf16 is, else AVX2; PAGEDQ_CPU_AVX512=0 builds the AVX2 one
+(whose projections then go through oneDNN: the extension's GEMM needs AVX-512).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _compile_flags() -> list[str]:
     flags = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA where torch multiplies, then adds
     if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c"]
-        wide = os.environ.get("PAGEDQ_CPU_AVX512", "1") != "0"  # 0: the AVX2 decode path (an A/B switch)
+        wide = os.environ.get("PAGEDQ_CPU_AVX512", "1") != "0"  # 0: the AVX2 build (an A/B switch), no GEMM
         if wide and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= cpu_flags():
             flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
             if "avx512_bf16" in cpu_flags():

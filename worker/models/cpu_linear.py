@@ -1,4 +1,4 @@
-"""CPU linear layers through weights packed once at load: pagedq's bf16 GEMM, else oneDNN.
+"""CPU linear layers through weights packed once at load: pagedq's own GEMM, else oneDNN's.
 
 `F.linear` on CPU calls MKL's GEMM. On a 2-core AMD EPYC with AVX-512 a [32 x 576] x [576 x 3072] fp32
 product ran 2.6x faster through oneDNN with the weight reordered once into its blocked layout
@@ -6,15 +6,16 @@ product ran 2.6x faster through oneDNN with the weight reordered once into its b
 and bf16 products up to 1.9x faster (`python -m ops.bench.gemm_paths`). Both are exact GEMMs in their
 dtype; only the summation order differs.
 
-In bf16 on a CPU with avx512_bf16, the C++ extension's own GEMM (`kernels/csrc/cpu_gemm.cpp`) takes
-the place of oneDNN: with SmolLM2's 30 layers of weights read from memory, as in a decode step, it ran
-1.1x to 4.8x faster than oneDNN's packed path per shape at 1 to 64 rows, and at 0.93x to 1.19x of it
-from 256 rows up (`python -m ops.bench.gemm_paths --cold`, ops/bench/RESULTS.md).
+Where the C++ extension has its own GEMM (`kernels/csrc/cpu_gemm.cpp`: fp32 on a CPU with AVX-512,
+bf16 with avx512_bf16), it takes oneDNN's place. With SmolLM2's 30 layers of weights read from memory,
+as in a decode step, it ran 1.1x to 4.8x faster than oneDNN's packed path per shape at 1 to 64 rows in
+bf16 (1.1x to 2.3x in fp32). From 256 rows up it ran at 0.93x to 1.19x of it in bf16
+(`python -m ops.bench.gemm_paths --cold`, ops/bench/RESULTS.md).
 
 Packing replaces a projection's weight with its packed copy (the plain weight's storage is freed, so
 weights are not held twice); the embedding table stays plain, and a tied LM head is packed as a copy.
-`PAGEDQ_ONEDNN_LINEAR=0` keeps `F.linear` (for comparisons); `PAGEDQ_CPU_GEMM=0` sends bf16 through
-oneDNN instead of pagedq's GEMM.
+`PAGEDQ_ONEDNN_LINEAR=0` keeps `F.linear` (for comparisons); `PAGEDQ_CPU_GEMM=0` sends both dtypes
+through oneDNN instead of pagedq's GEMM.
 """
 
 from __future__ import annotations

@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, self.lm_head)
 
     def pack_linears(self) -> None:
-        """Pack every projection for oneDNN (`worker.models.cpu_linear`); call once, after `load_weights`."""
+        """Pack every projection for the CPU GEMM (`worker.models.cpu_linear`); call once, after `load_weights`."""
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
