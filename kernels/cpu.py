@@ -1,6 +1,6 @@
 """The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp), the
-fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py) and a bf16 GEMM for the
-projections (csrc/cpu_gemm.cpp, called from worker/models/cpu_linear.py), plus the torch reference
+fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py) and a GEMM for the projections
+(csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py), plus the torch reference
 for prefill chunks.
 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the

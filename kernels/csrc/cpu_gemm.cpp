@@ -7,18 +7,20 @@
 // plain streaming read did 48 GB/s) and reached about 57% of its own 2048^3 rate at 64 rows, with the
 // weights coming from memory rather than cache. This kernel is shaped for that case: the weight is
 // packed once at load into panels of 16 output columns, each a contiguous run over K (fp32:
-// [N/16][K][16]; bf16, K in pairs: [N/16][K/2][16][2]), so a tile of up to 6 rows x 64 columns streams
-// four panels front to back, one 64-byte load per panel per step of K, and every load feeds 6 FMA or
-// dot-product instructions. The rows of x are broadcast from L1. Threads split the output columns, so
-// each weight byte is read from memory once per call. The first row tile of a group of panels reads
-// them from memory; the later ones find them in L2 and prefetch the next group's lines there, one per
-// step of K (4-12% faster at 24 to 64 rows in an A/B).
+// [N/16][K][16][1]; bf16, K in pairs: [N/16][K/2][16][2]). A tile of up to 6 rows x 64 columns
+// streams four panels front to back, one 64-byte load per panel per step of K, and every load feeds
+// 6 FMA or dot-product instructions. The rows of x are broadcast from L1. Threads split the output
+// columns, so each weight byte is read from memory once per block of 240 rows (once per call in a
+// decode step). The first row tile of a group of panels reads them from memory; the later ones find
+// them in L2 and prefetch the next group's lines there, one per step of K (4-12% faster at 24 to 64
+// rows in an A/B).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -176,6 +178,19 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bias,
 }
 #endif
 
+// Whether the memory spans of two 2-D tensors (first to last element) overlap.
+bool spans_overlap(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto span = [](const torch::Tensor& t) {
+    const char* first = static_cast<const char*>(t.data_ptr());
+    const int64_t last = (t.size(0) - 1) * t.stride(0) + (t.size(1) - 1) * t.stride(1);
+    return std::make_pair(first, first + (last + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
 }  // namespace
 
 // The dtypes gemm_linear was built for on this CPU: float32 with AVX-512, bfloat16 with avx512_bf16.
@@ -186,10 +201,11 @@ std::vector<std::string> gemm_dtypes() {
   return out;
 }
 
-// W [N, K] -> panels of 16 output columns, zero columns past N: fp32 [ceil(N/16), K, 16], bf16
+// W [N, K] -> panels of 16 output columns, zero columns past N: fp32 [ceil(N/16), K, 16, 1], bf16
 // [ceil(N/16), K/2, 16, 2] (K must be even).
 torch::Tensor pack_gemm_weight(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && built_for(weight.scalar_type()), "pack_gemm_weight: a 2-D weight of a built dtype");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_cpu() && built_for(weight.scalar_type()),
+              "pack_gemm_weight: a 2-D CPU weight of a built dtype");
   const int64_t N = weight.size(0), K = weight.size(1), step = per_step(weight.scalar_type());
   TORCH_CHECK(K % step == 0, "pack_gemm_weight: K must be even for bf16");
   const int64_t panels = (N + kPanel - 1) / kPanel;
@@ -199,19 +215,24 @@ torch::Tensor pack_gemm_weight(torch::Tensor weight) {
 }
 
 // out = x @ W^T + bias for x [M, K] (rows contiguous), `packed` from pack_gemm_weight, `bias` fp32
-// padded to the packed width; `out` [M, N] in x's dtype, rows contiguous.
+// padded to the packed width; `out` [M, N] in x's dtype, rows contiguous and not overlapping.
 void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && built_for(dtype), "gemm_linear: x [M, K] of a built dtype");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == dtype && packed.is_contiguous() &&
-                  packed.size(1) * packed.size(3) == x.size(1) && packed.size(3) == per_step(dtype),
-              "gemm_linear: packed weight");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 && out.scalar_type() == dtype,
-              "gemm_linear: out [M, N] in x's dtype");
+  TORCH_CHECK(x.dim() == 2 && x.is_cpu() && (x.stride(1) == 1 || x.size(1) <= 1) && built_for(dtype),
+              "gemm_linear: x [M, K] on the CPU, of a built dtype");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_cpu() && packed.is_contiguous() && packed.size(2) == kPanel &&
+                  packed.size(3) == per_step(packed.scalar_type()),
+              "gemm_linear: packed is not a weight from pack_gemm_weight");
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.size(1) * packed.size(3) == x.size(1),
+              "gemm_linear: the weight's dtype and K differ from x's");
+  TORCH_CHECK(out.dim() == 2 && out.is_cpu() && out.size(0) == x.size(0) && out.scalar_type() == dtype &&
+                  (out.stride(1) == 1 || out.size(1) <= 1) && (out.size(0) <= 1 || out.stride(0) >= out.size(1)),
+              "gemm_linear: out [M, N] on the CPU, in x's dtype, rows contiguous");
+  TORCH_CHECK(!spans_overlap(out, x), "gemm_linear: out must not overlap x");
   const int64_t panel_count = packed.size(0);
   TORCH_CHECK(out.size(1) <= panel_count * kPanel && out.size(1) > (panel_count - 1) * kPanel,
               "gemm_linear: out width != weight");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+  TORCH_CHECK(!bias || (bias->is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                         bias->numel() == panel_count * kPanel),
               "gemm_linear: bias fp32, padded");
 #ifdef PAGEDQ_GEMM_FP32

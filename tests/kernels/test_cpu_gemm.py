@@ -29,17 +29,31 @@ def _step(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _run(x, packed, bias, n, pad=16):
-    """The kernel's output written into the first n columns of a wider, pre-filled buffer."""
-    buf = torch.full((x.shape[0], n + pad), SENTINEL, dtype=x.dtype)
-    gemm_for(x.dtype).gemm_linear(x, packed, bias, buf[:, :n])
-    assert torch.all(buf[:, n:] == SENTINEL), "wrote past the last column"
-    return buf[:, :n]
+    """The kernel's output written into the first rows and columns of a larger, pre-filled buffer."""
+    m = x.shape[0]
+    buf = torch.full((m + 1, n + pad), SENTINEL, dtype=x.dtype)
+    gemm_for(x.dtype).gemm_linear(x, packed, bias, buf[:m, :n])
+    assert torch.all(buf[:m, n:] == SENTINEL), "wrote past the last column"
+    assert torch.all(buf[m] == SENTINEL), "wrote past the last row"
+    return buf[:m, :n]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 16, 2), (5, 40, 64), (6, 64, 576), (7, 200, 96), (13, 960, 576), (250, 72, 1538), (64, 3072, 576)],
+    [
+        (1, 16, 2),
+        (2, 17, 34),
+        (3, 33, 8),
+        (5, 40, 64),
+        (6, 64, 576),
+        (7, 200, 96),
+        (8, 1001, 64),
+        (9, 31, 16),
+        (13, 960, 576),
+        (250, 72, 1538),
+        (64, 3072, 576),
+    ],  # every tail of rows (mod 6) and of panels (mod 4), partial panels of 1, 8, 9 and 15 columns
 )
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_matches_the_exact_product(dtype, m, n, k, with_bias):
@@ -86,8 +100,19 @@ def test_zero_rows_and_bad_arguments(dtype):
     out32 = torch.empty(2, 32, dtype=dtype)
     with pytest.raises(RuntimeError, match="of a built dtype"):
         ext.gemm_linear(torch.randn(2, 8, dtype=torch.float16), packed, None, out32)
-    with pytest.raises(RuntimeError, match="packed weight"):
+    with pytest.raises(RuntimeError, match="dtype and K differ"):
         ext.gemm_linear(torch.randn(2, 10, dtype=dtype), packed, None, out32)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    if gemm_for(other) is not None:
+        with pytest.raises(RuntimeError, match="dtype and K differ"):
+            ext.gemm_linear(torch.randn(2, 8, dtype=other), packed, None, out32.to(other))
+    with pytest.raises(RuntimeError, match="not a weight from pack_gemm_weight"):
+        ext.gemm_linear(torch.randn(2, 8, dtype=dtype), packed.reshape(4, -1, 8, packed.shape[3]), None, out32)
+    with pytest.raises(RuntimeError, match="out \\[M, N\\]"):
+        ext.gemm_linear(torch.randn(3, 8, dtype=dtype), packed, None, out32)
+    with pytest.raises(RuntimeError, match="overlap"):
+        x_in_out = torch.randn(2, 32, dtype=dtype)
+        ext.gemm_linear(x_in_out[:, :8], packed, None, x_in_out)
     with pytest.raises(RuntimeError, match="out width"):
         ext.gemm_linear(torch.randn(2, 8, dtype=dtype), packed, None, torch.empty(2, 48, dtype=dtype))
     with pytest.raises(RuntimeError, match="bias fp32, padded"):

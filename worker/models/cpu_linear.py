@@ -49,7 +49,8 @@ def onednn_available() -> bool:
 
 def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Pack on CPU for fp32 and bf16 unless PAGEDQ_ONEDNN_LINEAR=0. bf16 only with native bf16 (the
-    oneDNN reorder has no bf16 kernel to reorder for elsewhere)."""
+    oneDNN reorder has no bf16 kernel to reorder for elsewhere). Needs torch's oneDNN even where the
+    extension's GEMM takes the projections: it packs the shapes that GEMM does not (odd K in bf16)."""
     if device.type != "cpu" or dtype not in _DTYPES or os.environ.get(ENV, "1") == "0":
         return False
     if not onednn_available():
