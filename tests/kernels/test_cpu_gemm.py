@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu
-from worker.models.cpu_linear import gemm_for
+from worker.models.cpu_linear import gemm_bias, gemm_for
 
 SENTINEL = -7.0
 DTYPES = [
@@ -62,10 +62,7 @@ def test_matches_the_exact_product(dtype, m, n, k, with_bias):
     w = torch.randn(n, k, dtype=dtype)
     bias = torch.randn(n, dtype=dtype) if with_bias else None
     packed = gemm_for(dtype).pack_gemm_weight(w)
-    padded_bias = None
-    if bias is not None:
-        padded_bias = torch.zeros(packed.shape[0] * 16)
-        padded_bias[:n] = bias.float()
+    padded_bias = None if bias is None else gemm_bias(bias, packed)
     exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     got = _run(x, packed, padded_bias, n).double()
     # fp32 sums of k terms can be off by k * 2^-24 of the terms' magnitudes (it matters near zero)

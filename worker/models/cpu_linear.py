@@ -73,6 +73,14 @@ def gemm_for(dtype: torch.dtype):
     return ext if ext is not None and str(dtype).removeprefix("torch.") in ext.gemm_dtypes() else None
 
 
+def gemm_bias(bias: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`bias` as the extension's GEMM takes it: fp32, zero-padded to the packed weight's width (it adds
+    the bias to its sums, 16 columns at a time)."""
+    out = torch.zeros(packed.shape[0] * packed.shape[2], dtype=torch.float32)
+    out[: bias.numel()] = bias.float()
+    return out
+
+
 def pack(module: nn.Module, *, keep_weight: bool = False) -> None:
     """Give `module` (an object with a 2-D `.weight`, optional `.bias`) a packed weight for `linear`."""
     weight = module.weight
@@ -84,10 +92,7 @@ def pack(module: nn.Module, *, keep_weight: bool = False) -> None:
         module.gemm_weight = ext.pack_gemm_weight(weight.detach())
         module.gemm = ext.gemm_linear
         bias = getattr(module, "bias", None)
-        module.gemm_bias = None
-        if bias is not None:  # fp32, zero-padded to the packed width, as the kernel adds it to its sums
-            module.gemm_bias = torch.zeros(module.gemm_weight.shape[0] * 16, dtype=torch.float32)
-            module.gemm_bias[: bias.numel()] = bias.detach().float()
+        module.gemm_bias = None if bias is None else gemm_bias(bias.detach(), module.gemm_weight)
     else:
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     if not keep_weight:  # the packed copy is the weight from now on
