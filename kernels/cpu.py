@@ -30,8 +30,10 @@ import torch
 from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, prefill_ref
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_decode.cpp", "cpu_fused.cpp", "cpu_gemm.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / name for name in ("cpu_vec.h", "cpu_decode_avx512.h")]
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / name for name in ("cpu_decode.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_prefill.cpp")]
+HEADERS = [_CSRC / name for name in ("cpu_vec.h", "cpu_decode_avx512.h", "cpu_avx512.h")]
+PREFILL_ENV = "PAGEDQ_CPU_PREFILL"  # 0: prefill chunks through the torch reference (an A/B switch)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the extension takes
 _log = logging.getLogger("pagedq.kernels")
 _lock = threading.Lock()
@@ -155,26 +157,45 @@ def paged_attention_cpu(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `paged_attention_ref`; decodes go through the C++ kernel when it is there."""
-    nd = meta.num_decodes
-    ext = extension() if nd else None
+    """Same contract as `paged_attention_ref`: decodes through the C++ decode kernel, prefill chunks
+    through the C++ prefill kernel where it is built for the dtype and head size (AVX-512), else
+    through the reference."""
+    ext = extension()
     if ext is None or not supported(query, k_cache) or v_cache.stride() != k_cache.stride():
         return paged_attention_ref(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     window = sliding_window if sliding_window and sliding_window > 0 else 0
-    tables = meta.block_tables[:nd]
-    lens = meta.seq_lens[:nd]
-    ext.paged_decode(
-        query[:nd],
-        k_cache,
-        v_cache,
-        tables if tables.dtype == torch.int32 else tables.to(torch.int32),
-        lens if lens.dtype == torch.int32 else lens.to(torch.int32),
-        out[:nd],
-        float(scale),
-        int(window),
-    )
-    if nd < meta.num_seqs:
+    nd = meta.num_decodes
+    if nd:
+        ext.paged_decode(
+            query[:nd],
+            k_cache,
+            v_cache,
+            _int32(meta.block_tables[:nd]),
+            _int32(meta.seq_lens[:nd]),
+            out[:nd],
+            float(scale),
+            int(window),
+        )
+    if nd == meta.num_seqs:
+        return out
+    if os.environ.get(PREFILL_ENV, "1") != "0" and ext.prefill_supported(query):
+        ext.paged_prefill(
+            query,
+            k_cache,
+            v_cache,
+            _int32(meta.block_tables[nd:]),
+            _int32(meta.query_start_loc[nd:]),
+            _int32(meta.seq_lens[nd:]),
+            out,
+            float(scale),
+            int(window),
+        )
+    else:
         prefill_ref(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out)
     return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)

@@ -236,12 +236,21 @@ std::vector<std::string> gemm_dtypes();
 torch::Tensor pack_gemm_weight(torch::Tensor weight);
 void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
 
+// cpu_prefill.cpp
+bool prefill_supported(at::ScalarType dtype, int64_t head_dim);
+void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                   torch::Tensor starts, torch::Tensor seq_lens, torch::Tensor out, double scale, int64_t window);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (one query token per request)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a [rows, n] tensor");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows [gate | up]");
   m.def("rotary_write_kv", &rotary_write_kv, "rotate q and k in place; with caches, store k and v at their slots");
+  m.def("paged_prefill", &paged_prefill, "prefill attention over the paged KV cache (the chunks after the decodes)");
+  m.def(
+      "prefill_supported", [](torch::Tensor t) { return prefill_supported(t.scalar_type(), t.size(-1)); },
+      "whether paged_prefill takes a query of this dtype and head size here");
   m.def("gemm_dtypes", &gemm_dtypes, "the dtypes gemm_linear was built for (AVX-512: float32; avx512_bf16: bfloat16)");
   m.def("pack_gemm_weight", &pack_gemm_weight, "a [N, K] weight in gemm_linear's panel layout");
   m.def("gemm_linear", &gemm_linear, "out = x @ W^T (+ bias) through a packed weight");

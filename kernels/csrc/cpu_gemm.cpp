@@ -23,13 +23,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define PAGEDQ_GEMM_FP32 1
-#if defined(__AVX512BF16__)
-#define PAGEDQ_GEMM_BF16 1
-#endif
-#endif
+#include "cpu_avx512.h"
 
 namespace {
 
@@ -64,34 +58,7 @@ struct Gemm {
   int64_t N;  // valid output columns
 };
 
-// One step of K for one row: x's value(s) broadcast, multiplied into a panel's 16 sums; the sums
-// stored as T.
-template <typename T>
-struct Ops;
-
-template <>
-struct Ops<float> {
-  static __m512 broadcast(const float* x, int64_t step) { return _mm512_set1_ps(x[step]); }
-  static __m512 madd(__m512 acc, __m512 xb, __m512i w) { return _mm512_fmadd_ps(xb, _mm512_castsi512_ps(w), acc); }
-  static void store(float* y, __mmask16 mask, __m512 acc) { _mm512_mask_storeu_ps(y, mask, acc); }
-};
-
-#ifdef PAGEDQ_GEMM_BF16
-template <>
-struct Ops<at::BFloat16> {
-  static __m512 broadcast(const at::BFloat16* x, int64_t step) {
-    int32_t pair;  // x[2 step], x[2 step + 1]
-    std::memcpy(&pair, x + 2 * step, sizeof(pair));
-    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
-  }
-  static __m512 madd(__m512 acc, __m512 xb, __m512i w) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(xb), (__m512bh)w);
-  }
-  static void store(at::BFloat16* y, __mmask16 mask, __m512 acc) {
-    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(acc));
-  }
-};
-#endif
+using pagedq_simd::Dot;
 
 // Cache lines to bring into L2 while a tile runs, one per step of K: the next group of panels.
 struct Prefetch {
@@ -119,15 +86,15 @@ inline void tile(const Gemm<T>& g, int64_t m, int64_t p, Prefetch& pf) {
       pf.at += 64;
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = Ops<T>::broadcast(x + r * g.ldx, s);
-      for (int j = 0; j < P; ++j) acc[r][j] = Ops<T>::madd(acc[r][j], xb, wv[j]);
+      const __m512 xb = Dot<T>::broadcast(x + r * g.ldx, s);
+      for (int j = 0; j < P; ++j) acc[r][j] = Dot<T>::madd(acc[r][j], xb, wv[j]);
     }
   }
   for (int j = 0; j < P; ++j) {
     const int64_t col = (p + j) * kPanel;
     const int64_t valid = std::min(kPanel, g.N - col);
     const __mmask16 mask = valid == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    for (int r = 0; r < R; ++r) Ops<T>::store(g.y + (m + r) * g.ldy + col, mask, acc[r][j]);
+    for (int r = 0; r < R; ++r) Dot<T>::store(g.y + (m + r) * g.ldy + col, mask, acc[r][j]);
   }
 }
 
