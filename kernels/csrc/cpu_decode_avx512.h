@@ -7,12 +7,14 @@
 //     16 folded into one vector of 16 scores by a transpose-and-add tree (sum16). bf16 caches multiply
 //     in hardware where the CPU has avx512_bf16 (vdpbf16ps: bf16 products, fp32 sums); other dtypes
 //     widen to fp32 in registers;
-//   - the weighted sum of V: 16 lanes of one head's output at a time, for all query heads that share
-//     the KV head, each V row widened once in registers and used by all of them.
+//   - the softmax: 16 lanes at a time (the max, e^x, the sum and the scaling);
+//   - the weighted sum of V: up to 4 x 16 lanes of the output of every query head that shares the KV
+//     head at once (at most 32 sums in registers), each V line widened once and used by all of them.
 // Rows are found through a per-request table of row pointers, built once per block (no division per
 // position). Sums run in fp32 in a different order than the AVX2 path: same values to rounding.
 #pragma once
 
+#include "cpu_avx512.h"
 #include "cpu_vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(PAGEDQ_AVX2)
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -92,32 +95,70 @@ inline __m512 dots16_bf16(const at::BFloat16* const* rows, int64_t off, int64_t 
 }
 #endif
 
-// acc[g * stride .. + 15] += sum_i p[g * n + i] * v_i[col .. col + 15] over the m positions of a tile, for
-// the H query heads (at most 8) that share one KV head; V rows at rows[i] + col.
-template <typename T, int H>
+// acc[g * stride + 16 c ..] += sum_i p[g * n + i] * v_i[col + 16 c ..] over the m positions of a tile, for
+// the H query heads that share one KV head and C 16-lane columns (V rows at rows[i] + col): H x C sums
+// in registers, each V line widened once and used by every head. H x C independent chains keep the FMA
+// units busy (with one column at a time, each head's sum waited on its previous FMA).
+template <typename T, int H, int C>
 inline void weighted16(const T* const* rows, int64_t col, int64_t m, const float* p, int64_t n, float* acc,
                        int64_t stride) {
-  __m512 a[H];
-  for (int g = 0; g < H; ++g) a[g] = _mm512_loadu_ps(acc + g * stride);
+  __m512 a[H][C];
+  for (int g = 0; g < H; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * stride + 16 * c);
   for (int64_t i = 0; i < m; ++i) {
-    const __m512 v = load16(rows[i] + col);
-    for (int g = 0; g < H; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * n + i]), v, a[g]);
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(rows[i] + col + 16 * c);
+    for (int g = 0; g < H; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * n + i]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pg, v[c], a[g][c]);
+    }
   }
-  for (int g = 0; g < H; ++g) _mm512_storeu_ps(acc + g * stride, a[g]);
+  for (int g = 0; g < H; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * stride + 16 * c, a[g][c]);
+}
+
+// All `chunks` 16-lane columns from col on: four at a time for up to 4 heads, two for more (at most 8).
+template <typename T, int H>
+inline void weighted16_columns(const T* const* rows, int64_t col, int64_t chunks, int64_t m, const float* p,
+                               int64_t n, float* acc, int64_t stride) {
+  constexpr int C = H <= 4 ? 4 : 2;
+  int64_t c = 0;
+  for (; c + C <= chunks; c += C) weighted16<T, H, C>(rows, col + 16 * c, m, p, n, acc + 16 * c, stride);
+  for (; c < chunks; ++c) weighted16<T, H, 1>(rows, col + 16 * c, m, p, n, acc + 16 * c, stride);
 }
 
 template <typename T>
-inline void weighted16_heads(int heads, const T* const* rows, int64_t col, int64_t m, const float* p, int64_t n,
-                             float* acc, int64_t stride) {
+inline void weighted16_heads(int heads, const T* const* rows, int64_t col, int64_t chunks, int64_t m, const float* p,
+                             int64_t n, float* acc, int64_t stride) {
   switch (heads) {
-    case 1: weighted16<T, 1>(rows, col, m, p, n, acc, stride); break;
-    case 2: weighted16<T, 2>(rows, col, m, p, n, acc, stride); break;
-    case 3: weighted16<T, 3>(rows, col, m, p, n, acc, stride); break;
-    case 4: weighted16<T, 4>(rows, col, m, p, n, acc, stride); break;
-    case 5: weighted16<T, 5>(rows, col, m, p, n, acc, stride); break;
-    case 6: weighted16<T, 6>(rows, col, m, p, n, acc, stride); break;
-    case 7: weighted16<T, 7>(rows, col, m, p, n, acc, stride); break;
-    default: weighted16<T, 8>(rows, col, m, p, n, acc, stride); break;
+    case 1: weighted16_columns<T, 1>(rows, col, chunks, m, p, n, acc, stride); break;
+    case 2: weighted16_columns<T, 2>(rows, col, chunks, m, p, n, acc, stride); break;
+    case 3: weighted16_columns<T, 3>(rows, col, chunks, m, p, n, acc, stride); break;
+    case 4: weighted16_columns<T, 4>(rows, col, chunks, m, p, n, acc, stride); break;
+    case 5: weighted16_columns<T, 5>(rows, col, chunks, m, p, n, acc, stride); break;
+    case 6: weighted16_columns<T, 6>(rows, col, chunks, m, p, n, acc, stride); break;
+    case 7: weighted16_columns<T, 7>(rows, col, chunks, m, p, n, acc, stride); break;
+    default: weighted16_columns<T, 8>(rows, col, chunks, m, p, n, acc, stride); break;
+  }
+}
+
+// s[i] = exp(s[i] - max) / sum over n scores, in place, 16 lanes at a time.
+inline void softmax16(float* s, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, first_lanes(std::min<int64_t>(16, n - i)), s + i));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = first_lanes(std::min<int64_t>(16, n - i));
+    const __m512 e = _mm512_maskz_mov_ps(k, pagedq_simd::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m)));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = first_lanes(std::min<int64_t>(16, n - i));
+    _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
   }
 }
 
@@ -203,7 +244,7 @@ void decode_one(const R& r, const T* q, int64_t q_h, float scale, int64_t Hq, in
     for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
       score_tile(s, q + hq * q_h, (hq / G) * D, scale, D, i0, std::min(kTile, n - i0), s.scores.data() + hq * n);
   }
-  for (int64_t hq = h0 * G; hq < h1 * G; ++hq) pagedq_vec::softmax(s.scores.data() + hq * n, n);
+  for (int64_t hq = h0 * G; hq < h1 * G; ++hq) softmax16(s.scores.data() + hq * n, n);
   s.acc.assign(Hq * D, 0.f);
   if (next != nullptr)  // the next request's first tile of K comes in while this one sums its V rows
     for (int64_t i = 0; i < std::min(kTile, next->n); ++i) {
@@ -218,9 +259,8 @@ void decode_one(const R& r, const T* q, int64_t q_h, float scale, int64_t Hq, in
       for (int64_t g0 = 0; g0 < G; g0 += 8) {
         const int heads = static_cast<int>(std::min<int64_t>(8, G - g0));
         const int64_t hq0 = h * G + g0;
-        for (int64_t c = 0; c < D / 16; ++c)
-          weighted16_heads<T>(heads, s.v_rows.data() + i0, h * D + 16 * c, m, s.scores.data() + hq0 * n + i0, n,
-                              s.acc.data() + hq0 * D + 16 * c, D);
+        weighted16_heads<T>(heads, s.v_rows.data() + i0, h * D, D / 16, m, s.scores.data() + hq0 * n + i0, n,
+                            s.acc.data() + hq0 * D, D);
       }
   }
   for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
