@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -127,20 +128,64 @@ inline void weighted16_columns(const T* const* rows, int64_t col, int64_t chunks
   for (; c < chunks; ++c) weighted16<T, H, 1>(rows, col + 16 * c, m, p, n, acc + 16 * c, stride);
 }
 
-template <typename T>
-inline void weighted16_heads(int heads, const T* const* rows, int64_t col, int64_t chunks, int64_t m, const float* p,
-                             int64_t n, float* acc, int64_t stride) {
+// f(std::integral_constant<int, H>) for H = heads, 1 to 8 (more are taken 8 at a time by the caller).
+template <typename F>
+inline void with_heads(int heads, F&& f) {
   switch (heads) {
-    case 1: weighted16_columns<T, 1>(rows, col, chunks, m, p, n, acc, stride); break;
-    case 2: weighted16_columns<T, 2>(rows, col, chunks, m, p, n, acc, stride); break;
-    case 3: weighted16_columns<T, 3>(rows, col, chunks, m, p, n, acc, stride); break;
-    case 4: weighted16_columns<T, 4>(rows, col, chunks, m, p, n, acc, stride); break;
-    case 5: weighted16_columns<T, 5>(rows, col, chunks, m, p, n, acc, stride); break;
-    case 6: weighted16_columns<T, 6>(rows, col, chunks, m, p, n, acc, stride); break;
-    case 7: weighted16_columns<T, 7>(rows, col, chunks, m, p, n, acc, stride); break;
-    default: weighted16_columns<T, 8>(rows, col, chunks, m, p, n, acc, stride); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
   }
 }
+
+#ifdef __AVX512BF16__
+// The same sums for a bf16 cache in hardware: two positions per vdpbf16ps. Each 16-lane column of V
+// rows i and i + 1 is interleaved into (v_i, v_i+1) pairs and multiplied by the pair (p_i, p_i+1),
+// rounded to bf16 (`pairs`: each head's weights as bf16, `n2` apart, zero past the last position; the
+// row after an odd tile's last is `zero`). About half the instructions of widening V to fp32.
+template <int H, int C>
+inline void weighted_pairs(const at::BFloat16* const* rows, int64_t col, int64_t m, const at::BFloat16* pairs,
+                           int64_t n2, float* acc, int64_t stride, const at::BFloat16* zero) {
+  alignas(64) static constexpr int16_t kInterleave[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                          8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  __m512 a[H][C];
+  for (int g = 0; g < H; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * stride + 16 * c);
+  for (int64_t i = 0; i < m; i += 2) {
+    const at::BFloat16* r0 = rows[i] + col;
+    const at::BFloat16* r1 = i + 1 < m ? rows[i + 1] + col : zero;
+    __m512i v[C];
+    for (int c = 0; c < C; ++c)
+      v[c] = _mm512_permutex2var_epi16(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * c))), idx,
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 16 * c))));
+    for (int g = 0; g < H; ++g) {
+      int32_t pair;
+      std::memcpy(&pair, pairs + g * n2 + i, sizeof(pair));
+      const __m512bh pg = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], pg, (__m512bh)v[c]);
+    }
+  }
+  for (int g = 0; g < H; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * stride + 16 * c, a[g][c]);
+}
+
+template <int H>
+inline void weighted_pairs_columns(const at::BFloat16* const* rows, int64_t col, int64_t chunks, int64_t m,
+                                   const at::BFloat16* pairs, int64_t n2, float* acc, int64_t stride,
+                                   const at::BFloat16* zero) {
+  constexpr int C = H <= 4 ? 4 : 2;
+  int64_t c = 0;
+  for (; c + C <= chunks; c += C) weighted_pairs<H, C>(rows, col + 16 * c, m, pairs, n2, acc + 16 * c, stride, zero);
+  for (; c < chunks; ++c) weighted_pairs<H, 1>(rows, col + 16 * c, m, pairs, n2, acc + 16 * c, stride, zero);
+}
+#endif
 
 // s[i] = exp(s[i] - max) / sum over n scores, in place, 16 lanes at a time.
 inline void softmax16(float* s, int64_t n) {
@@ -167,6 +212,8 @@ template <typename T>
 struct Scratch {
   std::vector<const T*> k_rows, v_rows;
   std::vector<float> scores, acc;
+  std::vector<at::BFloat16> pairs;  // the weights in bf16, for a bf16 cache's V sum in hardware
+  std::vector<at::BFloat16> zero = std::vector<at::BFloat16>(kMaxHeadDim);
 };
 
 // Pointers to the K and V rows of positions first .. first + n - 1, one block at a time.
@@ -251,16 +298,41 @@ void decode_one(const R& r, const T* q, int64_t q_h, float scale, int64_t Hq, in
       const char* p = reinterpret_cast<const char*>(next->row(next->k, next->first + i) + col);
       for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
     }
+#ifdef __AVX512BF16__
+  constexpr bool in_pairs = std::is_same_v<T, at::BFloat16>;
+  const int64_t n2 = (n + 1) / 2 * 2;
+  if constexpr (in_pairs) {
+    s.pairs.resize(Hq * n2);
+    for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+      const float* p = s.scores.data() + hq * n;
+      at::BFloat16* out = s.pairs.data() + hq * n2;
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = first_lanes(std::min<int64_t>(16, n - i));
+        _mm256_mask_storeu_epi16(out + i, k, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, p + i)));
+      }
+      out[n2 - 1] = n2 > n ? at::BFloat16(0.f) : out[n2 - 1];
+    }
+  }
+#endif
   prefetch_rows(s.v_rows.data(), 0, std::min(kTile, n), col, bytes);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min(kTile, n - i0);
     prefetch_rows(s.v_rows.data(), i0 + kTile, std::min(kTile, n - i0 - kTile), col, bytes);
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t g0 = 0; g0 < G; g0 += 8) {
-        const int heads = static_cast<int>(std::min<int64_t>(8, G - g0));
         const int64_t hq0 = h * G + g0;
-        weighted16_heads<T>(heads, s.v_rows.data() + i0, h * D, D / 16, m, s.scores.data() + hq0 * n + i0, n,
-                            s.acc.data() + hq0 * D, D);
+        with_heads(static_cast<int>(std::min<int64_t>(8, G - g0)), [&](auto heads) {
+          constexpr int H = decltype(heads)::value;
+#ifdef __AVX512BF16__
+          if constexpr (in_pairs) {
+            weighted_pairs_columns<H>(s.v_rows.data() + i0, h * D, D / 16, m, s.pairs.data() + hq0 * n2 + i0, n2,
+                                      s.acc.data() + hq0 * D, D, s.zero.data());
+            return;
+          }
+#endif
+          weighted16_columns<T, H>(s.v_rows.data() + i0, h * D, D / 16, m, s.scores.data() + hq0 * n + i0, n,
+                                   s.acc.data() + hq0 * D, D);
+        });
       }
   }
   for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
