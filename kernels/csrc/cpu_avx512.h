@@ -2,6 +2,9 @@
 // one step of a dot product into 16 fp32 sums (FMA for fp32; vdpbf16ps for a pair of bf16, where the
 // CPU has avx512_bf16), a tile of such steps over packed panels, and e^x on 16 lanes.
 //
+// Also 16 lanes of float / bfloat16 / float16 loaded as fp32, rounded to the type (nearest even) and
+// stored back, for the fused layer ops (cpu_fused.cpp) and the decode attention.
+//
 // A "panel" is 16 output columns laid out as one 64-byte line per step: 16 fp32 values, or 16 pairs of
 // bf16 (the two elements of the sum's step side by side, as vdpbf16ps takes them).
 #pragma once
@@ -14,6 +17,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PAGEDQ_GEMM_FP32 1
+#define PAGEDQ_SIMD512 1
 #if defined(__AVX512BF16__)
 #define PAGEDQ_GEMM_BF16 1
 #endif
@@ -65,6 +69,41 @@ inline void dot_tile(const T* const* x, const T* w, int64_t panel_stride, int64_
     }
   }
 }
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// fp32 lanes rounded to bfloat16 (nearest even; NaN payloads are not preserved), as fp32 bit patterns
+// with the low 16 bits still to be cleared or shifted out.
+inline __m512i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(v), 16)));
+}
+inline void store16(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// v rounded to T and widened again: what torch holds after an op whose result is stored in T.
+template <typename T>
+inline __m512 round16(__m512 v);
+template <>
+inline __m512 round16<float>(__m512 v) { return v; }
+template <>
+inline __m512 round16<at::BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits16(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+template <>
+inline __m512 round16<at::Half>(__m512 v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
 
 // e^x on 16 lanes, clamped to [-87, 88] (e^-inf gives e^-87, about 1.6e-38: mask such lanes out):
 // the Cephes polynomial of cpu_vec.h's exp256, ~1e-7 relative error.

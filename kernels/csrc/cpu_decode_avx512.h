@@ -32,12 +32,7 @@ namespace pagedq_avx512 {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+using pagedq_simd::load16;
 
 // The lane sums of a[0..15], in order, as one vector: pairs, then quads, then 128-bit halves, then lanes.
 inline __m512 sum16(const __m512* a) {

@@ -15,12 +15,19 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_avx512.h"
 #include "cpu_vec.h"
 
 namespace {
 
 #ifdef PAGEDQ_AVX2
 using namespace pagedq_vec;
+#endif
+#ifdef PAGEDQ_SIMD512
+using pagedq_simd::exp512;
+using pagedq_simd::load16;
+using pagedq_simd::round16;
+using pagedq_simd::store16;
 #endif
 
 template <typename T>
@@ -48,6 +55,19 @@ void rms_norm_rows(const torch::Tensor& x, const torch::Tensor* residual, const 
     for (int64_t t = begin; t < end; ++t) {
       float acc = 0.f;
       int64_t i = 0;
+#ifdef PAGEDQ_SIMD512
+      __m512 vacc16 = _mm512_setzero_ps();
+      for (; i + 16 <= H; i += 16) {
+        __m512 v = load16(xp + t * xs + i);
+        if (rp) {
+          v = round16<T>(_mm512_add_ps(v, load16(rp + t * rs + i)));
+          store16(sp + t * ss + i, v);
+        }
+        _mm512_storeu_ps(&row[i], v);
+        vacc16 = _mm512_add_ps(vacc16, _mm512_mul_ps(v, v));
+      }
+      acc = _mm512_reduce_add_ps(vacc16);
+#endif
 #ifdef PAGEDQ_AVX2
       __m256 vacc = _mm256_setzero_ps();
       for (; i + 8 <= H; i += 8) {
@@ -59,7 +79,7 @@ void rms_norm_rows(const torch::Tensor& x, const torch::Tensor* residual, const 
         _mm256_storeu_ps(&row[i], v);
         vacc = _mm256_add_ps(vacc, _mm256_mul_ps(v, v));
       }
-      acc = hsum(vacc);
+      acc += hsum(vacc);
 #endif
       for (; i < H; ++i) {
         float v = static_cast<float>(xp[t * xs + i]);
@@ -72,6 +92,10 @@ void rms_norm_rows(const torch::Tensor& x, const torch::Tensor* residual, const 
       }
       const float inv = 1.f / std::sqrt(acc * inv_h + feps);  // rsqrt(mean(x^2) + eps), in fp32
       i = 0;
+#ifdef PAGEDQ_SIMD512
+      for (const __m512 vinv = _mm512_set1_ps(inv); i + 16 <= H; i += 16)
+        store16(op + t * os + i, _mm512_mul_ps(load16(wp + i), round16<T>(_mm512_mul_ps(_mm512_loadu_ps(&row[i]), vinv))));
+#endif
 #ifdef PAGEDQ_AVX2
       const __m256 vinv = _mm256_set1_ps(inv);
       for (; i + 8 <= H; i += 8)
@@ -93,6 +117,13 @@ void silu_mul_rows(const torch::Tensor& x, torch::Tensor& out) {
       const T* gate = xp + t * xs;
       const T* up = gate + N;
       int64_t i = 0;
+#ifdef PAGEDQ_SIMD512
+      for (const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps(); i + 16 <= N; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, g)))));
+        store16(op + t * os + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+#endif
 #ifdef PAGEDQ_AVX2
       const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
       for (; i + 8 <= N; i += 8) {
@@ -115,6 +146,17 @@ template <typename T>
 inline void rotate_head(T* x, const float* c, const float* s, int64_t D) {
   const int64_t half = D / 2;
   int64_t d = 0;
+#ifdef PAGEDQ_SIMD512
+  for (const __m512 zero = _mm512_setzero_ps(); d + 16 <= half; d += 16) {
+    const __m512 x1 = load16(x + d), x2 = load16(x + d + half);
+    const __m512 lo = _mm512_add_ps(round16<T>(_mm512_mul_ps(x1, _mm512_loadu_ps(c + d))),
+                                    round16<T>(_mm512_mul_ps(_mm512_sub_ps(zero, x2), _mm512_loadu_ps(s + d))));
+    const __m512 hi = _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, _mm512_loadu_ps(c + d + half))),
+                                    round16<T>(_mm512_mul_ps(x1, _mm512_loadu_ps(s + d + half))));
+    store16(x + d, lo);
+    store16(x + d + half, hi);
+  }
+#endif
 #ifdef PAGEDQ_AVX2
   const __m256 zero = _mm256_setzero_ps();
   for (; d + 8 <= half; d += 8) {
