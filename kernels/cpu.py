@@ -8,8 +8,8 @@ reference gathers each request's K/V rows into a buffer before two matmuls, whic
 three times; the C++ kernel reads it once, straight from the blocks. It is compiled once with
 torch's extension loader (g++ and ninja, under a minute, cached under ~/.cache/torch_extensions)
 and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
-reference (and the model takes its plain, unfused path). Prefill chunks are compute-bound matmuls
-that torch already does well. The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
+reference (and the model takes its plain, unfused path). Prefill chunks go through the C++ prefill
+kernel (csrc/cpu_prefill.cpp, AVX-512, fp32 and bf16) where it is built, else the torch reference. The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
 with bf16 dot products where avx512_bf16 is, else AVX2; PAGEDQ_CPU_AVX512=0 builds the AVX2 one
 (whose projections then go through oneDNN: the extension's GEMM needs AVX-512).
 """
