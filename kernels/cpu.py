@@ -1,7 +1,7 @@
 """The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp), the
 fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py) and a GEMM for the projections
-(csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py), plus the torch reference
-for prefill chunks.
+(csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py), a prefill attention
+(csrc/cpu_prefill.cpp), plus the torch reference.
 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
 reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
@@ -9,7 +9,8 @@ three times; the C++ kernel reads it once, straight from the blocks. It is compi
 torch's extension loader (g++ and ninja, under a minute, cached under ~/.cache/torch_extensions)
 and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
 reference (and the model takes its plain, unfused path). Prefill chunks go through the C++ prefill
-kernel (csrc/cpu_prefill.cpp, AVX-512, fp32 and bf16) where it is built, else the torch reference. The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
+kernel (csrc/cpu_prefill.cpp, AVX-512, fp32 and bf16) where it is built, else the torch reference.
+The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
 with bf16 dot products where avx512_bf16 is, else AVX2; PAGEDQ_CPU_AVX512=0 builds the AVX2 one
 (whose projections then go through oneDNN: the extension's GEMM needs AVX-512).
 """
