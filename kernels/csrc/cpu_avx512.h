@@ -23,6 +23,19 @@
 #endif
 #endif
 
+namespace pagedq_simd {
+// Whether the GEMM's dot step (and so the GEMM and the prefill attention) was built for this dtype here.
+inline bool built_for(at::ScalarType t) {
+#ifdef PAGEDQ_GEMM_BF16
+  if (t == at::kBFloat16) return true;
+#endif
+#ifdef PAGEDQ_GEMM_FP32
+  if (t == at::kFloat) return true;
+#endif
+  return false;
+}
+}  // namespace pagedq_simd
+
 #ifdef PAGEDQ_GEMM_FP32
 namespace pagedq_simd {
 

@@ -32,15 +32,7 @@ constexpr int kMaxPanels = 4;    // panels per tile: 4 x 6 accumulators + 4 weig
 constexpr int kTileRows = 6;
 constexpr int64_t kBlockRows = 240;  // rows of x per pass over a thread's panels (kept in L2)
 
-bool built_for(at::ScalarType t) {
-#ifdef PAGEDQ_GEMM_BF16
-  if (t == at::kBFloat16) return true;
-#endif
-#ifdef PAGEDQ_GEMM_FP32
-  if (t == at::kFloat) return true;
-#endif
-  return false;
-}
+using pagedq_simd::built_for;
 
 // K elements per step: one 64-byte line of a panel (16 fp32, or 16 pairs of bf16).
 int64_t per_step(at::ScalarType t) { return t == at::kBFloat16 ? 2 : 1; }

@@ -278,15 +278,7 @@ void run(const Args<T>& a, int64_t n, int64_t Hkv) {
 }
 #endif
 
-bool built_for(at::ScalarType t) {
-#ifdef PAGEDQ_GEMM_BF16
-  if (t == at::kBFloat16) return true;
-#endif
-#ifdef PAGEDQ_GEMM_FP32
-  if (t == at::kFloat) return true;
-#endif
-  return false;
-}
+using pagedq_simd::built_for;
 
 }  // namespace
 
