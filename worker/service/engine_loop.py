@@ -49,6 +49,7 @@ class EngineLoop:
         # The model was loaded and warmed on this thread: free its OpenMP helpers, so the engine
         # thread's are the only ones and keep spinning between parallel regions (omp_pool.py).
         release_calling_thread_pool()
+        self.beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, args=(loop,), name="engine", daemon=True)
         self._thread.start()
 

@@ -279,8 +279,9 @@ class WorkerService:
                 loop.add_signal_handler(sig, self.stop)
         if cfg.metrics_port is not None:
             self.metrics_port = self.health.start(cfg.metrics_port)
-        await self._connect()
+        # The engine loop runs before the first heartbeat: a worker that others can see is live.
         self.engine_loop.start(loop)
+        await self._connect()
         sup, log = self.supervisor, self.log
         sup.start("publisher", self.publisher.run())
         sup.start("intake", self.intake.run())
