@@ -50,10 +50,14 @@ class Outcome:
         return self
 
 
+def _events(r, request_id: str) -> list:
+    return [decode_event(f[EVENT_FIELD.encode()]) for _, f in r.xrange(keys.response_stream(request_id))]
+
+
 def raw_events(url: str, request_id: str) -> list:
     r = connect(url, asyncio=False, socket_timeout=10)
     try:
-        return [decode_event(f[EVENT_FIELD.encode()]) for _, f in r.xrange(keys.response_stream(request_id))]
+        return _events(r, request_id)
     finally:
         r.close()
 
@@ -125,8 +129,14 @@ class Traffic:
 
 
 def progress(url: str, ids: list[str]) -> list[int]:
-    """Tokens each request has in its response stream so far."""
-    return [sum(len(e.token_ids) for e in raw_events(url, rid) if isinstance(e, Tokens)) for rid in ids]
+    """Tokens each request has in its response stream so far, read over one connection: a connection
+    per request (on a cluster, each one learning the slot map) made one poll take so long that its
+    counts were stale, and a fault meant for mid-generation could strike after the last token."""
+    r = connect(url, asyncio=False, socket_timeout=10)
+    try:
+        return [sum(len(e.token_ids) for e in _events(r, rid) if isinstance(e, Tokens)) for rid in ids]
+    finally:
+        r.close()
 
 
 def mid_flight(url: str, prompts: dict, max_tokens: int) -> int:
