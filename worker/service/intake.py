@@ -37,6 +37,11 @@ from worker.service.retry import Backoff
 from worker.service.tenant_weights import TenantWeights
 
 
+# One blocking read's slice. New entries end a read at once, so this only bounds how long a stopping worker
+# waits for the read in flight (and costs an idle worker one XREADGROUP per slice).
+INTAKE_BLOCK_MS = 250
+
+
 class Intake:
     def __init__(
         self,
@@ -50,7 +55,7 @@ class Intake:
         claim_idle_ms: int,
         reclaim_interval_s: float,
         metrics: WorkerMetrics,
-        block_ms: int = 1000,
+        block_ms: int = INTAKE_BLOCK_MS,
         window: int = 0,
     ) -> None:
         self.redis, self.blocking = redis, blocking_redis

@@ -34,7 +34,7 @@ from worker.service.engine_loop import EngineLoop
 from worker.service.health import HealthServer
 from worker.service.heartbeat import Heartbeat
 from worker.service.inflight import InFlight, InFlightTable
-from worker.service.intake import Intake
+from worker.service.intake import INTAKE_BLOCK_MS, Intake
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.ownership import Ownership
@@ -62,10 +62,9 @@ class WorkerService:
         lim = engine.limits
         self.headroom = cfg.intake_headroom if cfg.intake_headroom is not None else max(1, lim.max_num_seqs // 8)
 
-        intake_block_ms = 1000  # a stopping worker waits for at most one read in flight
         self.redis: aioredis.Redis = connect(cfg.redis_url, asyncio=True, socket_timeout=10.0)
         self.blocking_redis: aioredis.Redis = connect(
-            cfg.redis_url, asyncio=True, socket_timeout=intake_block_ms / 1000 + 10.0
+            cfg.redis_url, asyncio=True, socket_timeout=INTAKE_BLOCK_MS / 1000 + 10.0
         )
         common = {"model": self.model, "consumer": self.consumer}
         self.tracer = make_tracer(cfg, **common)  # None unless tracing is configured
@@ -117,7 +116,6 @@ class WorkerService:
             claim_idle_ms=cfg.claim_idle_ms,
             reclaim_interval_s=cfg.reclaim_interval_s,
             metrics=self.metrics,
-            block_ms=intake_block_ms,
             window=cfg.fair_share_window if cfg.fair_share_window is not None else lim.max_num_seqs // 4,
             **common,
         )
