@@ -1,7 +1,7 @@
 """The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp), the
 fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py) and a GEMM for the projections
 (csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py), a prefill attention
-(csrc/cpu_prefill.cpp), plus the torch reference.
+(csrc/cpu_prefill.cpp) and greedy sampling's argmax (csrc/cpu_sample.cpp), plus the torch reference.
 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
 reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
@@ -32,7 +32,9 @@ from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, prefill_ref
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / name for name in ("cpu_decode.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_prefill.cpp")]
+SOURCES = [
+    _CSRC / name for name in ("cpu_decode.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_prefill.cpp", "cpu_sample.cpp")
+]
 HEADERS = [_CSRC / name for name in ("cpu_vec.h", "cpu_decode_avx512.h", "cpu_avx512.h")]
 PREFILL_ENV = "PAGEDQ_CPU_PREFILL"  # 0: prefill chunks through the torch reference (an A/B switch)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the extension takes
@@ -200,3 +202,19 @@ def paged_attention_cpu(
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (int64), as `logits.max(dim=-1).indices`: through the extension's AVX-512
+    kernel for CPU rows it takes (about 7x faster than torch's reduction on bf16), else through torch."""
+    ext = extension() if logits.device.type == "cpu" else None
+    if (
+        ext is not None
+        and logits.dtype in DTYPES
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(-1) == 1
+        and ext.greedy_argmax_fast()
+    ):
+        return ext.greedy_argmax(logits)
+    return logits.max(dim=-1).indices

@@ -236,6 +236,10 @@ std::vector<std::string> gemm_dtypes();
 torch::Tensor pack_gemm_weight(torch::Tensor weight);
 void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
 
+// cpu_sample.cpp
+bool greedy_argmax_fast();
+torch::Tensor greedy_argmax(torch::Tensor x);
+
 // cpu_prefill.cpp
 bool prefill_supported(at::ScalarType dtype, int64_t head_dim);
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -253,5 +257,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "whether paged_prefill takes a query of this dtype and head size here");
   m.def("gemm_dtypes", &gemm_dtypes, "the dtypes gemm_linear was built for (AVX-512: float32; avx512_bf16: bfloat16)");
   m.def("pack_gemm_weight", &pack_gemm_weight, "a [N, K] weight in gemm_linear's panel layout");
+  m.def("greedy_argmax", &greedy_argmax, "each row's first maximum, as torch's max(dim=-1).indices");
+  m.def("greedy_argmax_fast", &greedy_argmax_fast, "whether greedy_argmax has its vector path here (AVX-512)");
   m.def("gemm_linear", &gemm_linear, "out = x @ W^T (+ bias) through a packed weight");
 }

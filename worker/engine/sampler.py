@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from kernels.cpu import greedy_argmax
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.structured.bitmask import apply_bitmask
 from worker.engine.transfer import to_device
@@ -327,8 +328,7 @@ class Sampler:
         if batch.num_rows == 0:
             token_ids = torch.empty(0, dtype=torch.int64, device=logits.device)
         elif batch.plain_greedy:
-            # max().indices: the first maximum, like argmax, and ~4x faster than argmax on bf16 CPU tensors.
-            token_ids = logits.max(dim=-1).indices
+            token_ids = greedy_argmax(logits)
         else:
             token_ids = self._sample(logits.to(torch.float32, copy=True), batch)
         out = SamplerOutput(token_ids=token_ids)
@@ -347,8 +347,8 @@ class Sampler:
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+            return greedy_argmax(logits)
+        greedy_ids = greedy_argmax(logits) if batch.greedy is not None else None
         assert batch.temperature is not None
         logits.div_(batch.temperature[:, None])
         if batch.top_k is not None or batch.top_p is not None:

@@ -36,7 +36,6 @@ from worker.service.metrics import WorkerMetrics
 from worker.service.retry import Backoff
 from worker.service.tenant_weights import TenantWeights
 
-
 # One blocking read's slice. New entries end a read at once, so this only bounds how long a stopping worker
 # waits for the read in flight (and costs an idle worker one XREADGROUP per slice).
 INTAKE_BLOCK_MS = 250
