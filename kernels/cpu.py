@@ -1,7 +1,8 @@
 """The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp), the
 fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py) and a GEMM for the projections
 (csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py), a prefill attention
-(csrc/cpu_prefill.cpp) and greedy sampling's argmax (csrc/cpu_sample.cpp), plus the torch reference.
+(csrc/cpu_prefill.cpp), greedy sampling's argmax (csrc/cpu_sample.cpp) and a decoder layer that calls
+those kernels from C++ (csrc/cpu_layer.cpp, used by worker/models/cpu_layer.py), plus the torch reference.
 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
 reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
@@ -32,9 +33,8 @@ from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, prefill_ref
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [
-    _CSRC / name for name in ("cpu_decode.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_prefill.cpp", "cpu_sample.cpp")
-]
+_SOURCE_NAMES = ("decode", "fused", "gemm", "prefill", "sample", "layer")
+SOURCES = [_CSRC / f"cpu_{name}.cpp" for name in _SOURCE_NAMES]
 HEADERS = [_CSRC / name for name in ("cpu_vec.h", "cpu_decode_avx512.h", "cpu_avx512.h")]
 PREFILL_ENV = "PAGEDQ_CPU_PREFILL"  # 0: prefill chunks through the torch reference (an A/B switch)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the extension takes

@@ -240,6 +240,16 @@ void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
 bool greedy_argmax_fast();
 torch::Tensor greedy_argmax(torch::Tensor x);
 
+// cpu_layer.cpp
+std::vector<torch::Tensor> decoder_layer(
+    torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor k_cache, torch::Tensor v_cache,
+    torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t num_decodes,
+    torch::Tensor ln1, torch::Tensor ln2, double eps, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
+    torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, torch::Tensor down,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double scale,
+    int64_t window);
+
 // cpu_prefill.cpp
 bool prefill_supported(at::ScalarType dtype, int64_t head_dim);
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -259,5 +269,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_gemm_weight", &pack_gemm_weight, "a [N, K] weight in gemm_linear's panel layout");
   m.def("greedy_argmax", &greedy_argmax, "each row's first maximum, as torch's max(dim=-1).indices");
   m.def("greedy_argmax_fast", &greedy_argmax_fast, "whether greedy_argmax has its vector path here (AVX-512)");
+  m.def("decoder_layer", &decoder_layer, "one Llama-family decoder layer, the fused path's kernels called from C++");
   m.def("gemm_linear", &gemm_linear, "out = x @ W^T (+ bias) through a packed weight");
 }

@@ -91,9 +91,11 @@ def test_engine_is_ready_when_constructed(llama_dir, monkeypatch):
 
     monkeypatch.setattr(kernels_cpu, "_build", no_build)
     calls = []
-    if kernels_cpu._ext:  # the extension exists: count that decodes really go through it
-        real = kernels_cpu._ext.paged_decode
-        monkeypatch.setattr(kernels_cpu._ext, "paged_decode", lambda *a: calls.append(1) or real(*a))
+    if kernels_cpu._ext:  # the extension exists: count that decodes really go through it (from Python, or
+        # inside its one-call layer, worker/models/cpu_layer.py)
+        for name in ("paged_decode", "decoder_layer"):
+            real = getattr(kernels_cpu._ext, name)
+            monkeypatch.setattr(kernels_cpu._ext, name, lambda *a, real=real: calls.append(1) or real(*a))
     out = _run(engine, [[3, 4, 5, 6]], [SamplingParams(temperature=0.0, max_tokens=4)])
     assert len(out[0][0]) == 4
     assert calls or not kernels_cpu._ext

@@ -5,7 +5,8 @@ On CUDA, and on the CPU where the C++ extension is built, the elementwise work b
 goes through fused kernels (`kernels.add_rms_norm`, `kernels.silu_and_mul`, `kernels.rotary_write_kv`:
 rotary embedding folded into the KV-cache write), about 10 calls per layer instead of about 37.
 Elsewhere the plain torch code below runs, operation for operation what transformers computes.
-`LlamaForCausalLM.use_fused_ops` forces either path.
+`LlamaForCausalLM.use_fused_ops` forces either path. Where the extension runs every part of a layer, the
+fused path's layers are called from C++ (worker/models/cpu_layer.py), the same kernels in the same order.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 import kernels
 from kernels import AttentionMetadata
 from kernels.fused import cpu_extension_for, rms_norm_ref, rotate_ref
+from worker.models.cpu_layer import LayerConstants, layer_plan, run_layers
 from worker.models.cpu_linear import linear, pack
 
 
@@ -216,6 +218,9 @@ class LlamaForCausalLM(nn.Module):
         # None: fused kernels on CUDA tensors and where the CPU extension is built, the plain torch
         # path elsewhere; True/False forces one.
         self.use_fused_ops: bool | None = None
+        # Every layer's constant arguments for the CPU's one-call layer (worker/models/cpu_layer.py), set
+        # by pack_linears where the extension runs the whole layer; None: the Python layers.
+        self.cpu_layer_plan: list[LayerConstants] | None = None
 
     def forward(
         self,
@@ -230,9 +235,13 @@ class LlamaForCausalLM(nn.Module):
         if fused is None:  # fused where a kernel does it: CUDA, or the C++ extension on the CPU
             fused = x.is_cuda or cpu_extension_for(x) is not None
         if fused:
-            residual = None
-            for layer, cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer.forward_fused(x, residual, self.rotary, positions, cache, meta)
+            ran = run_layers(self, self.cpu_layer_plan, x, positions, kv_caches, meta) if self.cpu_layer_plan else None
+            if ran is not None:
+                x, residual = ran
+            else:
+                residual = None
+                for layer, cache in zip(self.layers, kv_caches, strict=True):
+                    x, residual = layer.forward_fused(x, residual, self.rotary, positions, cache, meta)
             return kernels.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
         cos_sin = self.rotary.tables(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
@@ -249,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
             for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 pack(module)
         pack(self.lm_head, keep_weight=self.tie_word_embeddings)
+        self.cpu_layer_plan = layer_plan(self)
 
     # --- weights -----------------------------------------------------------------------------
 
