@@ -256,19 +256,22 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
                    torch::Tensor starts, torch::Tensor seq_lens, torch::Tensor out, double scale, int64_t window);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (one query token per request)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a [rows, n] tensor");
-  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows [gate | up]");
-  m.def("rotary_write_kv", &rotary_write_kv, "rotate q and k in place; with caches, store k and v at their slots");
-  m.def("paged_prefill", &paged_prefill, "prefill attention over the paged KV cache (the chunks after the decodes)");
+  // The kernels run without the GIL, as torch's own ops do: the worker's event loop (publishing, intake)
+  // keeps running while the engine thread is inside a step's kernels.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (one query token per request)", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a [rows, n] tensor", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows [gate | up]", nogil);
+  m.def("rotary_write_kv", &rotary_write_kv, "rotate q and k in place; with caches, store k and v at their slots", nogil);
+  m.def("paged_prefill", &paged_prefill, "prefill attention over the paged KV cache (the chunks after the decodes)", nogil);
   m.def(
       "prefill_supported", [](torch::Tensor t) { return prefill_supported(t.scalar_type(), t.size(-1)); },
       "whether paged_prefill takes a query of this dtype and head size here");
   m.def("gemm_dtypes", &gemm_dtypes, "the dtypes gemm_linear was built for (AVX-512: float32; avx512_bf16: bfloat16)");
-  m.def("pack_gemm_weight", &pack_gemm_weight, "a [N, K] weight in gemm_linear's panel layout");
-  m.def("greedy_argmax", &greedy_argmax, "each row's first maximum, as torch's max(dim=-1).indices");
+  m.def("pack_gemm_weight", &pack_gemm_weight, "a [N, K] weight in gemm_linear's panel layout", nogil);
+  m.def("greedy_argmax", &greedy_argmax, "each row's first maximum, as torch's max(dim=-1).indices", nogil);
   m.def("greedy_argmax_fast", &greedy_argmax_fast, "whether greedy_argmax has its vector path here (AVX-512)");
-  m.def("decoder_layer", &decoder_layer, "one Llama-family decoder layer, the fused path's kernels called from C++");
-  m.def("gemm_linear", &gemm_linear, "out = x @ W^T (+ bias) through a packed weight");
+  m.def("decoder_layer", &decoder_layer, "one Llama-family decoder layer, the fused path's kernels called from C++", nogil);
+  m.def("gemm_linear", &gemm_linear, "out = x @ W^T (+ bias) through a packed weight", nogil);
 }
