@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu_decode_avx512.h"
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 using pagedq_vec::softmax;
@@ -223,37 +224,6 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
     default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16 only");
   }
 }
-
-// cpu_fused.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor x);
-void rotary_write_kv(torch::Tensor positions, torch::Tensor q, torch::Tensor k, c10::optional<torch::Tensor> v,
-                     torch::Tensor cos, torch::Tensor sin, c10::optional<torch::Tensor> k_cache,
-                     c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slot_mapping);
-// cpu_gemm.cpp
-std::vector<std::string> gemm_dtypes();
-torch::Tensor pack_gemm_weight(torch::Tensor weight);
-void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
-
-// cpu_sample.cpp
-bool greedy_argmax_fast();
-torch::Tensor greedy_argmax(torch::Tensor x);
-
-// cpu_layer.cpp
-std::vector<torch::Tensor> decoder_layer(
-    torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor k_cache, torch::Tensor v_cache,
-    torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t num_decodes,
-    torch::Tensor ln1, torch::Tensor ln2, double eps, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
-    torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, torch::Tensor down,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double scale,
-    int64_t window);
-
-// cpu_prefill.cpp
-bool prefill_supported(at::ScalarType dtype, int64_t head_dim);
-void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                   torch::Tensor starts, torch::Tensor seq_lens, torch::Tensor out, double scale, int64_t window);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL, as torch's own ops do: the worker's event loop (publishing, intake)

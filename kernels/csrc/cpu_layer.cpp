@@ -11,18 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-// cpu_fused.cpp, cpu_gemm.cpp, cpu_decode.cpp, cpu_prefill.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor x);
-void rotary_write_kv(torch::Tensor positions, torch::Tensor q, torch::Tensor k, c10::optional<torch::Tensor> v,
-                     torch::Tensor cos, torch::Tensor sin, c10::optional<torch::Tensor> k_cache,
-                     c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slot_mapping);
-void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
-void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                  torch::Tensor seq_lens, torch::Tensor out, double scale, int64_t window);
-void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                   torch::Tensor starts, torch::Tensor seq_lens, torch::Tensor out, double scale, int64_t window);
+#include "cpu_ops.h"
 
 namespace {
 
