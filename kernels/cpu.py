@@ -3,6 +3,8 @@ fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py) and a GEMM fo
 (csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py), a prefill attention
 (csrc/cpu_prefill.cpp), greedy sampling's argmax (csrc/cpu_sample.cpp) and a decoder layer that calls
 those kernels from C++ (csrc/cpu_layer.cpp, used by worker/models/cpu_layer.py), plus the torch reference.
+The GEMM and the attention kernels share their work between torch's threads through csrc/cpu_parallel.h:
+a thread done with its share takes over the rest of a thread that lost its core to another process.
 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
 reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
@@ -33,9 +35,9 @@ from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, prefill_ref
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE_NAMES = ("decode", "fused", "gemm", "prefill", "sample", "layer")
+_SOURCE_NAMES = ("decode", "fused", "gemm", "prefill", "sample", "layer", "parallel")
 SOURCES = [_CSRC / f"cpu_{name}.cpp" for name in _SOURCE_NAMES]
-HEADERS = [_CSRC / name for name in ("cpu_vec.h", "cpu_decode_avx512.h", "cpu_avx512.h", "cpu_ops.h")]
+HEADERS = [_CSRC / name for name in ("cpu_vec.h", "cpu_decode_avx512.h", "cpu_avx512.h", "cpu_ops.h", "cpu_parallel.h")]
 PREFILL_ENV = "PAGEDQ_CPU_PREFILL"  # 0: prefill chunks through the torch reference (an A/B switch)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the extension takes
 _log = logging.getLogger("pagedq.kernels")

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu_decode_avx512.h"
+#include "cpu_parallel.h"
 #include "cpu_ops.h"
 #include "cpu_vec.h"
 
@@ -162,47 +163,50 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const bool wide = D % 16 == 0 && D <= pagedq_avx512::kMaxHeadDim;
   if (wide && B < at::get_num_threads() && Hkv > 1) {
     // Fewer requests than threads: one task per (request, KV head), so a lone long request uses them all.
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      pagedq_avx512::Scratch<T> scratch;
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / Hkv, h = t % Hkv;
-        pagedq_avx512::decode_one(request(b), qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, h,
-                                  h + 1);
-      }
-    });
+    pagedq_parallel::run_shares(
+        pagedq_parallel::equal_bounds(B * Hkv), [] { return pagedq_avx512::Scratch<T>(); },
+        [&](pagedq_avx512::Scratch<T>& scratch, int64_t t, int64_t) {
+          const int64_t b = t / Hkv, h = t % Hkv;
+          pagedq_avx512::decode_one(request(b), qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch,
+                                    h, h + 1);
+        });
     return;
   }
 #endif
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Hq * D), acc(Hq * D), kbuf(8 * W), scores;
 #ifdef PAGEDQ_AVX512
-    pagedq_avx512::Scratch<T> scratch;
+  if (wide) {
+    pagedq_parallel::run_shares(
+        pagedq_parallel::equal_bounds(B), [] { return pagedq_avx512::Scratch<T>(); },
+        [&](pagedq_avx512::Scratch<T>& scratch, int64_t b, int64_t after) {
+          const Request<T> next = request(after >= 0 ? after : b);  // its first rows are prefetched
+          pagedq_avx512::decode_one(request(b), qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch,
+                                    0, Hkv, after >= 0 ? &next : nullptr);
+        });
+    return;
+  }
 #endif
-    for (int64_t b = begin; b < end; ++b) {
-      const Request<T> r = request(b);
-#ifdef PAGEDQ_AVX512
-      if (wide) {
-        const Request<T> next = request(std::min(b + 1, B - 1));  // its first rows are prefetched
-        pagedq_avx512::decode_one(r, qp + b * q_b, q_h, fscale, Hq, Hkv, D, op + b * o_b, o_h, scratch, 0, Hkv,
-                                  b + 1 < end ? &next : nullptr);
-        continue;
-      }
-#endif
-      for (int64_t hq = 0; hq < Hq; ++hq) {
-        widen(qp + b * q_b + hq * q_h, &qf[hq * D], D);
-        for (int64_t d = 0; d < D; ++d) qf[hq * D + d] *= fscale;
-      }
-      scores.resize(Hq * r.n);
-      scores_of(r, qf.data(), Hq, Hkv, D, scores.data(), kbuf.data());
-      for (int64_t hq = 0; hq < Hq; ++hq) softmax(&scores[hq * r.n], r.n);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      weighted_sum(r, scores.data(), Hq, Hkv, D, acc.data(), kbuf.data());
-      for (int64_t hq = 0; hq < Hq; ++hq) {
-        T* o = op + b * o_b + hq * o_h;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[hq * D + d]);
-      }
-    }
-  });
+  struct Buffers {
+    std::vector<float> qf, acc, kbuf, scores;
+  };
+  pagedq_parallel::run_shares(
+      pagedq_parallel::equal_bounds(B),
+      [&] { return Buffers{std::vector<float>(Hq * D), std::vector<float>(Hq * D), std::vector<float>(8 * W), {}}; },
+      [&](Buffers& w, int64_t b, int64_t) {
+        const Request<T> r = request(b);
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          widen(qp + b * q_b + hq * q_h, &w.qf[hq * D], D);
+          for (int64_t d = 0; d < D; ++d) w.qf[hq * D + d] *= fscale;
+        }
+        w.scores.resize(Hq * r.n);
+        scores_of(r, w.qf.data(), Hq, Hkv, D, w.scores.data(), w.kbuf.data());
+        for (int64_t hq = 0; hq < Hq; ++hq) softmax(&w.scores[hq * r.n], r.n);
+        std::fill(w.acc.begin(), w.acc.end(), 0.f);
+        weighted_sum(r, w.scores.data(), Hq, Hkv, D, w.acc.data(), w.kbuf.data());
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          T* o = op + b * o_b + hq * o_h;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(w.acc[hq * D + d]);
+        }
+      });
 }
 
 }  // namespace
@@ -244,4 +248,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_argmax_fast", &greedy_argmax_fast, "whether greedy_argmax has its vector path here (AVX-512)");
   m.def("decoder_layer", &decoder_layer, "one Llama-family decoder layer, the fused path's kernels called from C++", nogil);
   m.def("gemm_linear", &gemm_linear, "out = x @ W^T (+ bias) through a packed weight", nogil);
+  m.def("shares_trace", &shares_trace, "how often, and on which thread, each item of the kernels' scheduler ran", nogil);
 }

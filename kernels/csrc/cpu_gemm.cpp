@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_avx512.h"
+#include "cpu_parallel.h"
 
 namespace {
 
@@ -107,33 +108,42 @@ inline void rows(const Gemm<T>& g, int64_t m0, int64_t m1, int64_t p, Prefetch n
   }
 }
 
-// Panels [p0, p1) for rows [m0, m1), four panels (64 columns) at a time.
+// Rows [m0, m1) of group `group` of panels (kMaxPanels of them, fewer in the last group); its tiles after
+// the first prefetch group `next` (-1: none) into L2.
 template <typename T>
-inline void panels(const Gemm<T>& g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+inline void group_rows(const Gemm<T>& g, int64_t m0, int64_t m1, int64_t group, int64_t next, int64_t panel_count) {
   const int64_t bytes = g.steps * 64;  // per panel
   const char* base = reinterpret_cast<const char*>(g.w);
-  auto group_after = [&](int64_t p) {  // the panels a tile group at p should prefetch
-    const int64_t a = std::min(p + kMaxPanels, p1), b = std::min(p + 2 * kMaxPanels, p1);
-    return Prefetch{base + a * bytes, base + b * bytes};
-  };
-  int64_t p = p0;
-  for (; p + kMaxPanels <= p1; p += kMaxPanels) rows<T, kMaxPanels>(g, m0, m1, p, group_after(p));
-  switch (p1 - p) {
-    case 1: rows<T, 1>(g, m0, m1, p, Prefetch{}); break;
-    case 2: rows<T, 2>(g, m0, m1, p, Prefetch{}); break;
-    case 3: rows<T, 3>(g, m0, m1, p, Prefetch{}); break;
+  Prefetch pf;
+  if (next >= 0) {
+    const int64_t a = next * kMaxPanels, b = std::min(a + kMaxPanels, panel_count);
+    pf = Prefetch{base + a * bytes, base + b * bytes};
+  }
+  const int64_t p = group * kMaxPanels;
+  switch (std::min<int64_t>(kMaxPanels, panel_count - p)) {
+    case 1: rows<T, 1>(g, m0, m1, p, pf); break;
+    case 2: rows<T, 2>(g, m0, m1, p, pf); break;
+    case 3: rows<T, 3>(g, m0, m1, p, pf); break;
+    case 4: rows<T, 4>(g, m0, m1, p, pf); break;
     default: break;
   }
 }
 
+// Each thread takes a contiguous share of the groups of panels and walks it front to back, prefetching
+// its next group; a thread done with its share takes groups from the back of the others'
+// (cpu_parallel.h).
 template <typename T>
 void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, torch::Tensor& out) {
   const int64_t M = x.size(0), panel_count = packed.size(0);
   const Gemm<T> g{x.data_ptr<T>(), x.stride(0), packed.data_ptr<T>(), packed.size(1), bias,
                   out.data_ptr<T>(), out.stride(0), out.size(1)};
-  at::parallel_for(0, panel_count, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m = 0; m < M; m += kBlockRows) panels(g, m, std::min(m + kBlockRows, M), p0, p1);
-  });
+  const auto bounds = pagedq_parallel::equal_bounds((panel_count + kMaxPanels - 1) / kMaxPanels);
+  for (int64_t m = 0; m < M; m += kBlockRows) {
+    const int64_t m1 = std::min(m + kBlockRows, M);
+    pagedq_parallel::run_shares(bounds, [] { return 0; }, [&](int, int64_t group, int64_t next) {
+      group_rows(g, m, m1, group, next, panel_count);
+    });
+  }
 }
 #endif
 

@@ -38,6 +38,9 @@ std::vector<torch::Tensor> decoder_layer(
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double scale,
     int64_t window);
 
+// cpu_parallel.cpp
+torch::Tensor shares_trace(int64_t n, bool hold_first);
+
 // cpu_prefill.cpp
 bool prefill_supported(at::ScalarType dtype, int64_t head_dim);
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu_avx512.h"
+#include "cpu_parallel.h"
 
 namespace {
 
@@ -270,11 +271,9 @@ void run(const Args<T>& a, int64_t n, int64_t Hkv) {
   double before = 0;  // a task goes to the thread whose share of the total holds its midpoint
   for (int64_t i = 0, th = 1; i < static_cast<int64_t>(tasks.size()); before += cost[i++])
     while (th < threads && before + cost[i] / 2 >= total * th / threads) first[th++] = i;
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    Work<T> w(a.D, tokens_per_task * a.G);
-    for (int64_t th = begin; th < end; ++th)
-      for (int64_t i = first[th]; i < first[th + 1]; ++i) run_task(a, tasks[i], w);
-  });
+  pagedq_parallel::run_shares(
+      first, [&] { return Work<T>(a.D, tokens_per_task * a.G); },
+      [&](Work<T>& w, int64_t i, int64_t) { run_task(a, tasks[i], w); });
 }
 #endif
 

@@ -1,0 +1,64 @@
+"""The kernels' scheduler (kernels/csrc/cpu_parallel.h): every item runs exactly once, and a thread that
+holds up its share has the rest of it taken over by the others, the case of a core lent to Redis or the
+client for a while. The kernels built on it give the same bits on any number of threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cases import make_case
+
+from kernels import cpu
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+
+    def use(n: int) -> None:
+        torch.set_num_threads(n)
+
+    yield use
+    torch.set_num_threads(before)
+
+
+def _trace(n: int, hold_first: bool) -> torch.Tensor:
+    ext = cpu.extension()
+    assert ext is not None
+    return ext.shares_trace(n, hold_first)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_every_item_runs_exactly_once(threads, n, num_threads):
+    threads(num_threads)
+    trace = _trace(n, hold_first=False)
+    assert torch.equal(trace[:, 0], torch.ones(n, dtype=torch.long))
+    assert set(trace[:, 1].tolist()) <= set(range(num_threads))
+
+
+def test_a_held_share_is_finished_by_the_other_thread(threads):
+    threads(2)
+    trace = _trace(16, hold_first=True)  # shares [0, 8) and [8, 16); item 0 waits for all the others
+    assert torch.equal(trace[:, 0], torch.ones(16, dtype=torch.long))
+    holder = int(trace[0, 1])
+    others = trace[1:, 1].tolist()
+    assert all(t != holder for t in others), "the held share's items 1..7 were not taken over"
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(RuntimeError, match="n must be positive"):
+        _trace(0, hold_first=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lens", [[3, 64, 65, 200, 17, 90, 33], [200]], ids=["7-requests", "1-request"])
+def test_decode_attention_gives_the_same_bits_on_one_two_and_three_threads(threads, dtype, lens):
+    case = make_case(lens, [1] * len(lens), num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    outs = []
+    for n in (1, 2, 3):
+        threads(n)
+        outs.append(
+            cpu.paged_attention_cpu(case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale)
+        )
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
