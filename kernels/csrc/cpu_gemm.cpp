@@ -137,10 +137,10 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bias,
   const int64_t M = x.size(0), panel_count = packed.size(0);
   const Gemm<T> g{x.data_ptr<T>(), x.stride(0), packed.data_ptr<T>(), packed.size(1), bias,
                   out.data_ptr<T>(), out.stride(0), out.size(1)};
-  const auto bounds = pagedq_parallel::equal_bounds((panel_count + kMaxPanels - 1) / kMaxPanels);
+  const int64_t groups = (panel_count + kMaxPanels - 1) / kMaxPanels;
   for (int64_t m = 0; m < M; m += kBlockRows) {
     const int64_t m1 = std::min(m + kBlockRows, M);
-    pagedq_parallel::run_shares(bounds, [] { return 0; }, [&](int, int64_t group, int64_t next) {
+    pagedq_parallel::run_items(groups, [&](int64_t group, int64_t next) {
       group_rows(g, m, m1, group, next, panel_count);
     });
   }

@@ -39,7 +39,7 @@ std::vector<torch::Tensor> decoder_layer(
     int64_t window);
 
 // cpu_parallel.cpp
-torch::Tensor shares_trace(int64_t n, bool hold_first);
+torch::Tensor shares_trace(int64_t n, bool hold_caller);
 
 // cpu_prefill.cpp
 bool prefill_supported(at::ScalarType dtype, int64_t head_dim);

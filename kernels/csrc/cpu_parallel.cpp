@@ -9,15 +9,18 @@
 #include "cpu_parallel.h"
 
 // [n, 2]: how many times each of n items ran, and the thread (at::get_thread_num) that ran it last. With
-// `hold_first`, the thread that takes item 0 waits (up to 10 s) until every other item is done: its own
-// share then finishes only if the other threads take it over.
-torch::Tensor shares_trace(int64_t n, bool hold_first) {
+// `hold_caller`, the calling thread (thread 0) waits on its first item (up to 10 s) until every other item is
+// done: the rest of its share then runs only if the other threads take it over. (If another thread has
+// taken the whole share before thread 0 starts, thread 0 runs nothing.)
+torch::Tensor shares_trace(int64_t n, bool hold_caller) {
   TORCH_CHECK(n > 0, "shares_trace: n must be positive");
   auto trace = torch::zeros({n, 2}, torch::kLong);
   auto* t = trace.data_ptr<int64_t>();
   std::atomic<int64_t> done{0};
+  bool held = false;  // written by thread 0 only
   pagedq_parallel::run_items(n, [&](int64_t i, int64_t) {
-    if (hold_first && i == 0) {
+    if (hold_caller && !held && at::get_thread_num() == 0) {
+      held = true;
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
       while (done.load() < n - 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
     }

@@ -3,8 +3,8 @@
 // at::parallel_for gives each thread a fixed share of the items, and the region ends when the last share
 // is done. On a served machine Redis, the client and the worker's event loop run on the same cores as
 // torch's threads; whenever one of them takes a core, the thread it displaced finishes its share late and
-// the other thread waits for it at the region's end. On 2 cores that turned the few percent of CPU the
-// serving side uses into about twice as much lost engine time. Here each thread still starts with its own
+// the other thread waits for it at the region's end. On 2 cores, a bf16 GEMM lost about twice the CPU
+// share an interferer took (ops/bench/RESULTS.md, "Work sharing between torch's threads"). Here each thread still starts with its own
 // contiguous share and walks it front to back (so a kernel can prefetch its next item), but a thread that
 // runs out takes items from the back of the other shares, one at a time. Only the item a displaced thread
 // holds is waited for. Which thread computes an item never changes its result.
