@@ -7,6 +7,7 @@ calls.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -16,9 +17,11 @@ import redis.asyncio as aioredis
 from producer_sdk import _core
 from producer_sdk._client_base import ClientBase, HandleState, ServedModel
 from producer_sdk._core import EnqueueResult, Prepared
+from producer_sdk._mux import StreamMux
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
 from producer_sdk.contract import keys, scripts, steps
+from producer_sdk.contract.cluster import is_cluster
 from producer_sdk.contract.redis_errors import RETRY_CANDIDATES
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
@@ -102,7 +105,7 @@ class Handle(HandleState):
                         f.on_resubmitted(await self._resubmit())
                     continue
                 streams, count, block = f.xread_args()
-                reply = await r.xread(streams, count=count, block=block)
+                reply = await self._client._xread(streams, count, block)
             except RETRY_CANDIDATES as e:
                 await asyncio.sleep(f.on_error(e))
                 continue
@@ -147,6 +150,20 @@ class AsyncClient(ClientBase):
     _redis_class = aioredis.Redis
     _asyncio = True
     _handle_class = Handle
+    _mux: StreamMux | None = None
+
+    def _reader(self) -> StreamMux | None:
+        """The one XREAD that the client's readers share (producer_sdk._mux); None on a cluster."""
+        if self._mux is None and not is_cluster(self._redis):
+            self._mux = StreamMux(self._redis, keys.reader_wake(self.model, uuid.uuid4().hex))
+        return self._mux
+
+    async def _xread(self, streams: dict, count: int, block: int) -> Any:
+        mux = self._reader()
+        if mux is None or len(streams) != 1 or mux.reading(next(iter(streams))):
+            return await self._redis.xread(streams, count=count, block=block)
+        ((key, last_id),) = streams.items()
+        return await mux.read(key, last_id, count, block)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -155,6 +172,8 @@ class AsyncClient(ClientBase):
         await self.close()
 
     async def close(self) -> None:
+        if self._mux is not None:
+            await self._mux.close()
         if self._owns_redis:
             await self._redis.aclose()
 

@@ -4,7 +4,8 @@ The layout is the same on one node, through Sentinel and on Redis Cluster. Every
 the keys of one hash slot only (`{...}` is the part Redis Cluster hashes):
 
 - a model's keys, ``pagedq:{<model>}:*``: its lanes, consumer group, dead letters, config, heartbeats,
-  worker states, submitted markers and tenant counters (the enqueue step and the ack need them together);
+  worker states, submitted markers and tenant counters (the enqueue step and the ack need them together),
+  and each async client's reader wake stream;
 - a request's keys, ``pagedq:<kind>:{<request id>}``: its response stream, lease and cancel flag (and
   the gateway's record), which the publish step writes together;
 - keys used alone: the served-model registry, the tenant set and each tenant's quota.
@@ -78,6 +79,12 @@ def heartbeats(model: str) -> str:
 def worker_state(model: str, worker: str) -> str:
     """JSON load report of one worker, with a TTL a few heartbeats long."""
     return f"{model_prefix(model)}worker:{worker}"
+
+
+def reader_wake(model: str, client_id: str) -> str:
+    """Stream (one entry, expiring) that an AsyncClient writes to make its own blocked XREAD over
+    the response streams it reads return early, when a new reader joins (producer_sdk._mux)."""
+    return f"{model_prefix(model)}wake:{client_id}"
 
 
 def submitted_marker(model: str, request_id: str) -> str:
