@@ -18,8 +18,8 @@ XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile
 REDIS_PY_NEWEST ?= redis==8.1.0
 REDIS_NEWEST_DIR := $(VENV)/redis-newest
 # (the worker with the newest redis-py: through Sentinel here, and on a cluster in the cluster pass)
-NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_resume.py tests/service/test_sdk_sync.py \
-	tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py \
+NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_resume.py tests/service/test_sdk_mux.py \
+	tests/service/test_sdk_sync.py tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py \
 	tests/unit/test_sentinel_url.py tests/service/test_sentinel_service.py
 # The cluster pass: the contract's steps, the SDK, the worker service, tenants, traces and the OpenAI client
 # against a real local cluster (tests marked single_node are left out), and the cluster chaos rows. Not

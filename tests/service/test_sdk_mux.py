@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis
 from sdk_fake_worker import FakeWorker, wait_for
-from test_sdk_resume import blocked_readers, kill_clients
+from test_sdk_resume import kill_clients
 
 from producer_sdk import AsyncClient
 from producer_sdk.contract import keys
@@ -26,6 +26,12 @@ def admin(redis_url):
     r.close()
 
 
+def blocked_of(admin: redis.Redis, name: str) -> int:
+    """Connections named `name` blocked in XREAD right now."""
+    lines = admin.execute_command("CLIENT", "LIST", "TYPE", "normal").decode().splitlines()
+    return sum(1 for line in lines if f" name={name} " in line and " cmd=xread " in line and "flags=b" in line)
+
+
 def pool_size(client: AsyncClient) -> int:
     pool = client.redis.connection_pool
     return len(pool._available_connections) + len(pool._in_use_connections)
@@ -35,7 +41,7 @@ async def test_many_streams_share_one_blocked_read(redis_url, admin):
     """40 requests streamed at once: every token arrives, in order, and never more than one of the
     client's connections is blocked in XREAD (each reader used to block one of its own)."""
     n, max_tokens = 40, 12
-    async with FakeWorker(redis_url, token_delay=0.002), AsyncClient(redis_url, MODEL) as client:
+    async with FakeWorker(redis_url, token_delay=0.002), AsyncClient(redis_url, MODEL, client_name="mux") as client:
         handles = await client.submit_many([f"p{i}" for i in range(n)], max_tokens=max_tokens)
         most_blocked = 0
         done = asyncio.Event()
@@ -43,7 +49,7 @@ async def test_many_streams_share_one_blocked_read(redis_url, admin):
         async def watch() -> None:
             nonlocal most_blocked
             while not done.is_set():
-                most_blocked = max(most_blocked, blocked_readers(admin))
+                most_blocked = max(most_blocked, blocked_of(admin, "mux"))
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.ensure_future(watch())
@@ -107,10 +113,10 @@ async def test_a_cancelled_reader_loses_nothing(redis_url, admin):
 async def test_a_dropped_connection_fails_every_waiting_reader(redis_url, admin):
     """CLIENT KILL during the shared read: each reader gets the connection error (the SDK's readers
     then back off and read again from their last id), and the next read works."""
-    async with AsyncClient(redis_url, MODEL, check_model=False) as client:
+    async with AsyncClient(redis_url, MODEL, check_model=False, client_name="mux-kill") as client:
         mux = client._reader()
         readers = [asyncio.ensure_future(mux.read(f"t:k{i}", b"0-0", 10, 20_000)) for i in range(3)]
-        await wait_for(lambda: blocked_readers(admin) == 1, what="the shared read to block")
+        await wait_for(lambda: blocked_of(admin, "mux-kill") == 1, what="the shared read to block")
         assert kill_clients(admin) >= 1
         for r in readers:
             with pytest.raises(redis.exceptions.ConnectionError):
