@@ -118,6 +118,9 @@ class StreamMux:
                 self._blocked = False
             self.rounds += 1
             self._dispatch(reply, batch)
+            # Let the readers just answered take their entries and register again, so that the next
+            # XREAD includes them (rather than a wake for each).
+            await asyncio.sleep(0)
 
     async def _one_by_one(self, batch: dict[bytes, _Waiter], count: int) -> None:
         """After the shared XREAD was refused: read each stream on its own, without blocking, so that

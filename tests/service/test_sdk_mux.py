@@ -60,8 +60,10 @@ async def test_many_streams_share_one_blocked_read(redis_url, admin):
         assert [c.text for c in completions] == [expected] * n
         assert all(c.finish_reason == "length" for c in completions)
         assert most_blocked == 1
-        assert pool_size(client) <= 4  # the shared read, a wake, submits and liveness checks
-        assert client._mux.rounds > 0
+        assert pool_size(client) <= 3  # the shared read, submits, liveness checks (not one per reader)
+        # Readers answered in one round register again before the next XREAD goes out, not through
+        # a wake each (a wake per round before the read yielded to them: 232 wakes in 316 rounds).
+        assert client._mux.rounds > 0 and client._mux.wakes <= 2
 
 
 async def test_a_new_reader_wakes_the_blocked_read(redis_url, admin):
