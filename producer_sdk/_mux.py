@@ -62,6 +62,8 @@ class StreamMux:
         """What `XREAD COUNT count BLOCK block_ms STREAMS key last_id` returns: the entries after
         `last_id` (as `[[key, entries]]`), or an empty list once `block_ms` passed without any."""
         loop = asyncio.get_running_loop()
+        if self._task is not None and self._task.get_loop() is not loop:
+            self._task, self._waiters = None, {}  # the client moved to another event loop: the old one is over
         w = _Waiter(key.encode(), last_id, count, time.monotonic() + block_ms / 1000, loop.create_future())
         self._waiters[w.key] = w
         if self._task is None or self._task.done():
@@ -93,6 +95,14 @@ class StreamMux:
                 await self._redis.pexpire(self._wake_key, 1)  # (PEXPIRE: the producer ACL has no DEL)
 
     async def _run(self) -> None:
+        try:
+            await self._rounds()
+        except BaseException as e:  # cancelled, or a bug: no reader may wait on a read that has stopped
+            lost = e if isinstance(e, Exception) else redis.exceptions.ConnectionError("the shared read stopped")
+            self._fail(list(self._waiters.values()), lost)
+            raise
+
+    async def _rounds(self) -> None:
         while self._waiters:
             now = time.monotonic()
             for w in [w for w in self._waiters.values() if w.until <= now]:

@@ -150,3 +150,36 @@ async def test_a_refused_key_fails_only_its_own_reader(redis_url, admin):
         await wait_for(lambda: mux._blocked and not mux.reading("t:bad"), what="the shared read without it")
         admin.xadd("t:good", {"e": "ok"})
         assert (await asyncio.wait_for(good, 5))[0][1][0][1] == {b"e": b"ok"}
+
+
+async def test_readers_of_a_stopped_shared_read_are_told(redis_url, admin):
+    """If the shared read's task stops (cancelled here), its readers get a connection error to retry
+    on, rather than waiting forever; the next read starts a new one."""
+    async with AsyncClient(redis_url, MODEL, check_model=False) as client:
+        mux = client._reader()
+        reader = asyncio.ensure_future(mux.read("t:s", b"0-0", 10, 20_000))
+        await wait_for(lambda: mux._blocked, what="the shared read to block")
+        mux._task.cancel()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await asyncio.wait_for(reader, 5)
+        admin.xadd("t:s", {"e": "after"})
+        assert (await asyncio.wait_for(mux.read("t:s", b"0-0", 10, 20_000), 5))[0][1][0][1] == {b"e": b"after"}
+
+
+def test_a_client_read_again_after_its_event_loop_ended_mid_read(redis_url, admin):
+    """One client, two `asyncio.run`s; the first ends while the shared read blocks (asyncio.run cancels
+    it, and redis-py drops that connection). The second loop's read gets the entry written since."""
+    client = AsyncClient(redis_url, MODEL, check_model=False)
+
+    async def first():
+        mux = client._reader()
+        t = asyncio.ensure_future(mux.read("t:loop", b"0-0", 10, 20_000))
+        await wait_for(lambda: mux._blocked, what="the shared read to block")
+        return t
+
+    async def second():
+        return await asyncio.wait_for(client._reader().read("t:loop", b"0-0", 10, 20_000), 5)
+
+    asyncio.run(first())
+    admin.xadd("t:loop", {"e": "later"})
+    assert asyncio.run(second())[0][1][0][1] == {b"e": b"later"}
