@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.exceptions
 
-from producer_sdk.contract.redis_errors import REDIS_ERRORS
+from producer_sdk.contract.redis_errors import RETRY_CANDIDATES
 
 WAKE_TTL_MS = 60_000
 CLOSE_WAIT_S = 1.0
@@ -37,13 +38,16 @@ class _Waiter:
     count: int
     until: float  # monotonic time at which its block slice ends
     future: asyncio.Future = field(repr=False)
+    polled: bool = False  # an XREAD that included its stream has returned (only then may it time out)
 
 
 class StreamMux:
     """Reads many response streams with one XREAD at a time (see the module docstring)."""
 
-    def __init__(self, redis: Any, wake_key: str) -> None:
+    def __init__(self, redis: Any, wake_key: str, loop: asyncio.AbstractEventLoop) -> None:
         self._redis = redis
+        self.loop = loop  # the event loop it reads on (a client used from another loop gets another)
+        self.usable = True  # False once the server refused the wake stream: each reader reads alone
         self._wake_key = wake_key.encode()
         self._wake_id: Any = b"0-0"
         self._waiters: dict[bytes, _Waiter] = {}
@@ -62,15 +66,14 @@ class StreamMux:
         """What `XREAD COUNT count BLOCK block_ms STREAMS key last_id` returns: the entries after
         `last_id` (as `[[key, entries]]`), or an empty list once `block_ms` passed without any."""
         loop = asyncio.get_running_loop()
-        if self._task is not None and self._task.get_loop() is not loop:
-            self._task, self._waiters = None, {}  # the client moved to another event loop: the old one is over
         w = _Waiter(key.encode(), last_id, count, time.monotonic() + block_ms / 1000, loop.create_future())
         self._waiters[w.key] = w
         if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run())
+            # in a fresh context: the shared task is no reader's (not the first one's trace span)
+            self._task = contextvars.Context().run(loop.create_task, self._run())
         elif self._blocked and not self._woken:
             self._woken = True
-            self._wake_task = loop.create_task(self._wake())
+            self._wake_task = contextvars.Context().run(loop.create_task, self._wake())
         try:
             return await w.future
         finally:
@@ -88,10 +91,10 @@ class StreamMux:
                 await self._wake()
             try:  # it returns at the wake; cancelling a blocked redis-py call was not always prompt
                 await asyncio.wait_for(asyncio.shield(task), CLOSE_WAIT_S)
-            except (asyncio.TimeoutError, *REDIS_ERRORS):
+            except (asyncio.TimeoutError, *RETRY_CANDIDATES):
                 task.cancel()
         if self.wakes:
-            with contextlib.suppress(*REDIS_ERRORS):  # else it expires on its own
+            with contextlib.suppress(*RETRY_CANDIDATES):  # else it expires on its own
                 await self._redis.pexpire(self._wake_key, 1)  # (PEXPIRE: the producer ACL has no DEL)
 
     async def _run(self) -> None:
@@ -105,7 +108,7 @@ class StreamMux:
     async def _rounds(self) -> None:
         while self._waiters:
             now = time.monotonic()
-            for w in [w for w in self._waiters.values() if w.until <= now]:
+            for w in [w for w in self._waiters.values() if w.polled and w.until <= now]:
                 self._resolve(w, [])  # its slice passed without an entry
             if not self._waiters:
                 return
@@ -127,6 +130,8 @@ class StreamMux:
             finally:
                 self._blocked = False
             self.rounds += 1
+            for w in batch.values():
+                w.polled = True
             self._dispatch(reply, batch)
             # Let the readers just answered take their entries and register again, so that the next
             # XREAD includes them (rather than a wake for each).
@@ -134,7 +139,9 @@ class StreamMux:
 
     async def _one_by_one(self, batch: dict[bytes, _Waiter], count: int) -> None:
         """After the shared XREAD was refused: read each stream on its own, without blocking, so that
-        the reader whose key the server refused gets that error and the others their entries."""
+        the reader whose key the server refused gets that error and the others their entries. If no
+        reader's key was refused (the wake stream was, say by an ACL), stop sharing: each reader is
+        answered now and reads alone from then on."""
         pipe = self._redis.pipeline(transaction=False)
         for key, w in batch.items():
             pipe.xread({key: w.last_id}, count=count)
@@ -145,6 +152,7 @@ class StreamMux:
             return
         refused = False
         for (key, w), reply in zip(batch.items(), replies, strict=True):
+            w.polled = True
             if self._waiters.get(key) is not w:
                 continue
             if isinstance(reply, Exception):
@@ -152,8 +160,13 @@ class StreamMux:
                 self._fail([w], reply)
             elif reply:
                 self._dispatch(reply, {key: w})
-        if not refused:  # the wake stream itself was refused (not a stream any more): use another
-            self._wake_key, self._wake_id = self._wake_key + b"+", b"0-0"
+        if not refused:
+            self._stop_sharing()
+
+    def _stop_sharing(self) -> None:
+        self.usable = False
+        for w in list(self._waiters.values()):
+            self._resolve(w, [])  # (an idle slice to its reader: it checks liveness, then reads alone)
 
     def _dispatch(self, reply: Any, batch: dict[bytes, _Waiter]) -> None:
         if not reply:
@@ -190,5 +203,7 @@ class StreamMux:
             pipe.pexpire(self._wake_key, WAKE_TTL_MS)
             await pipe.execute()
             self.wakes += 1
-        except REDIS_ERRORS:
+        except (redis.exceptions.NoPermissionError, redis.exceptions.ReadOnlyError):
+            self.usable = False  # this client may not write its wake stream: from now on each reader reads alone
+        except Exception:
             pass  # the XREAD fails too, or its slice ends: either way the new reader is read next round

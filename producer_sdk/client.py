@@ -154,9 +154,12 @@ class AsyncClient(ClientBase):
 
     def _reader(self) -> StreamMux | None:
         """The one XREAD that the client's readers share (producer_sdk._mux); None on a cluster."""
-        if self._mux is None and not is_cluster(self._redis):
-            self._mux = StreamMux(self._redis, keys.reader_wake(self.model, uuid.uuid4().hex))
-        return self._mux
+        if is_cluster(self._redis):
+            return None
+        loop = asyncio.get_running_loop()
+        if self._mux is None or self._mux.loop is not loop:
+            self._mux = StreamMux(self._redis, keys.reader_wake(self.model, uuid.uuid4().hex), loop)
+        return self._mux if self._mux.usable else None
 
     async def _xread(self, streams: dict, count: int, block: int) -> Any:
         mux = self._reader()
@@ -172,8 +175,9 @@ class AsyncClient(ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        if self._mux is not None:
-            await self._mux.close()
+        mux, self._mux = self._mux, None  # (a reader retrying after close reads through a new one)
+        if mux is not None:
+            await mux.close()
         if self._owns_redis:
             await self._redis.aclose()
 

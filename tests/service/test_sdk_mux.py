@@ -183,3 +183,30 @@ def test_a_client_read_again_after_its_event_loop_ended_mid_read(redis_url, admi
     asyncio.run(first())
     admin.xadd("t:loop", {"e": "later"})
     assert asyncio.run(second())[0][1][0][1] == {b"e": b"later"}
+
+
+async def test_a_reader_with_a_short_slice_is_read_before_it_is_answered_empty(redis_url, admin):
+    """A reader joining with a 1 ms slice while the shared read blocks is read at least once: it gets
+    the entry already in its stream, as its own XREAD BLOCK 1 would, not an empty slice."""
+    entry_id = admin.xadd("t:short", {"e": "there"})
+    async with AsyncClient(redis_url, MODEL, check_model=False) as client:
+        mux = client._reader()
+        idle = asyncio.ensure_future(mux.read("t:idle", b"0-0", 10, 20_000))
+        await wait_for(lambda: mux._blocked, what="the shared read to block")
+        reply = await asyncio.wait_for(mux.read("t:short", b"0-0", 10, 1), 5)
+        assert reply and reply[0][1][0][0] in (entry_id, entry_id.encode() if isinstance(entry_id, str) else entry_id)
+        idle.cancel()
+
+
+async def test_a_refused_wake_stream_makes_each_reader_read_alone(redis_url, admin):
+    """If the server refuses the wake stream (here it is not a stream; an ACL without its key does the
+    same), the readers are answered at once and the client's readers read alone from then on."""
+    async with AsyncClient(redis_url, MODEL, check_model=False) as client:
+        mux = client._reader()
+        admin.set(mux._wake_key, "not a stream")
+        waiting = asyncio.ensure_future(mux.read("t:w", b"0-0", 10, 20_000))
+        assert await asyncio.wait_for(waiting, 5) == []
+        assert not mux.usable and client._reader() is None
+        admin.xadd("t:w", {"e": "direct"})
+        reply = await client._xread({"t:w": b"0-0"}, 10, 1000)  # a plain XREAD now
+        assert reply[0][1][0][1] == {b"e": b"direct"}
