@@ -117,18 +117,19 @@ class StreamMux:
             streams[self._wake_key] = self._wake_id
             block = max(1, int((min(w.until for w in batch.values()) - now) * 1000))
             count = max(w.count for w in batch.values())
-            self._blocked, self._woken = True, False
+            self._blocked, self._woken, refused = True, False, False
             try:
                 reply = await self._redis.xread(streams, count=count, block=block)
             except redis.exceptions.ResponseError:
-                self._blocked = False
-                await self._one_by_one(batch, count)  # one bad key (say a WRONGTYPE) fails its reader only
-                continue
+                refused = True  # one bad key (say a WRONGTYPE) must fail its reader only
             except Exception as e:  # each reader decides: retry, give up, or raise
                 self._fail(list(batch.values()), e)
                 continue
             finally:
                 self._blocked = False
+            if refused:
+                await self._one_by_one(batch, count)
+                continue
             self.rounds += 1
             for w in batch.values():
                 w.polled = True
