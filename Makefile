@@ -37,11 +37,11 @@ CLUSTER_TESTS ?= tests/service/test_contract_scripts.py tests/service/test_sdk_c
 
 setup: $(STAMP) redis-server cpu-kernels
 
-# The C++ CPU kernels (kernels/csrc/), built once into torch's extension cache before any test or worker
+# The C++ CPU kernels (pagedq_kernels/csrc/), built once into torch's extension cache before any test or worker
 # needs them (two test processes would otherwise each build them inside a worker's start-up). A no-op
 # once cached; where no compiler works, a warning, and the torch reference serves.
 cpu-kernels: $(STAMP)
-	@$(PY) -c "from kernels.cpu import extension; extension()"
+	@$(PY) -c "from pagedq_kernels.cpu import extension; extension()"
 
 $(PY):
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \

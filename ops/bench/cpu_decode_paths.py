@@ -1,4 +1,4 @@
-"""The CPU decode attention's two builds on this CPU: AVX2 against AVX-512 (kernels/csrc/).
+"""The CPU decode attention's two builds on this CPU: AVX2 against AVX-512 (pagedq_kernels/csrc/).
 
     python -m ops.bench.cpu_decode_paths                      # SmolLM2's heads (9 query, 3 KV, 64), bf16 + fp32
     python -m ops.bench.cpu_decode_paths --cases 64x165,1x2000 --dtypes bfloat16
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from kernels import cpu
 from ops.bench.common import BLOCK_SIZE
+from pagedq_kernels import cpu
 
 
 def builds() -> dict:

@@ -26,7 +26,7 @@ section only), each writing DIR/<name>.json as soon as it has a result (and agai
   e attention    decode attention bandwidth vs copy bandwidth and vs SDPA on contiguous KV.
 
 DIR/summary.json lists each section's status and time; the exit code is 0 iff every section passed.
-Needs torch, triton, transformers, numpy and this repository's worker/ and kernels/ packages (plus msgspec,
+Needs torch, triton, transformers, numpy and this repository's worker/ and pagedq_kernels/ packages (plus msgspec,
 which the engine's sampling parameters import: sections b and d say so when it is missing): no Redis, no
 network, no model files (models are random-weight and built here, under --work). The sections live in
 gpu_check_correctness.py (a-c) and gpu_check_speed.py (d, e), what they share in gpu_check_common.py.
@@ -45,7 +45,8 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if __name__ == "__main__":  # as a script: ops/bench (which has a kernels.py) must not shadow the package
+if __name__ == "__main__":  # as a script: ops/bench (which has a kernels.py) must not shadow
+    # the `kernels` distribution that transformers imports
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.path.insert(0, str(REPO))

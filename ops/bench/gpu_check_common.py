@@ -213,7 +213,7 @@ def run_steps(model, seqs, prompt_lens, device, *, block_size: int = 16, chunk: 
     batch, blocks handed out out of order. Returns each sequence's logits `[len, V]` in fp32."""
     import torch
 
-    from kernels import AttentionMetadata
+    from pagedq_kernels import AttentionMetadata
 
     layers = len(model.layers)
     num_blocks = sum(-(-len(s) // block_size) for s in seqs) + 2

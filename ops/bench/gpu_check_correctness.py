@@ -44,8 +44,8 @@ def _fused_checks(sz: Sizes, dtype) -> list[dict]:
     """Each fused kernel vs its torch reference on the same device, 1B-shaped rows."""
     import torch
 
-    from kernels import use_backend
-    from kernels.fused import add_rms_norm, rms_norm, rotary_write_kv, silu_and_mul
+    from pagedq_kernels import use_backend
+    from pagedq_kernels.fused import add_rms_norm, rms_norm, rotary_write_kv, silu_and_mul
 
     dev, name = sz.device, str(dtype).removeprefix("torch.")
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # ~2 units of roundoff
@@ -97,10 +97,10 @@ def _compiled_variants(kernel) -> int:
 
 def compiled_counts() -> dict[str, int]:
     """Compiled variants of each of pagedq's Triton kernels in this process (all 0: not measurable here)."""
-    import kernels.cache_ops as cache_ops
-    import kernels.decode as decode
-    import kernels.fused_triton as fused
-    import kernels.prefill as prefill
+    import pagedq_kernels.cache_ops as cache_ops
+    import pagedq_kernels.decode as decode
+    import pagedq_kernels.fused_triton as fused
+    import pagedq_kernels.prefill as prefill
 
     watched = {
         "prefill": prefill._prefill_kernel,
@@ -119,11 +119,11 @@ def recompile_check(sz: Sizes) -> dict:
     block-table width; split) compile nothing new once each kernel has run once."""
     import torch
 
-    import kernels.cache_ops as cache_ops
-    from kernels import use_backend
-    from kernels.fused import add_rms_norm, rotary_write_kv, silu_and_mul
-    from kernels.paged_attention import paged_attention_triton
+    import pagedq_kernels.cache_ops as cache_ops
     from ops.bench.kernels import build_problem
+    from pagedq_kernels import use_backend
+    from pagedq_kernels.fused import add_rms_norm, rotary_write_kv, silu_and_mul
+    from pagedq_kernels.paged_attention import paged_attention_triton
 
     heads = (sz.heads, sz.kv_heads, sz.head_dim)
     dtype = torch.bfloat16

@@ -26,8 +26,8 @@ def section_throughput(sz: Sizes, work: Path, rep: Report) -> bool:
 
     import torch
 
-    from kernels import use_backend
     from ops.bench.kernels import copy_bandwidth, timer
+    from pagedq_kernels import use_backend
 
     dtype = "bfloat16" if not sz.dry else "float32"
     folder = build_model(sz, work / f"llama-1b-shape-bench-{sz.bench_layers}l", sz.bench_layers, dtype)

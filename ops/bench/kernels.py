@@ -57,7 +57,7 @@ def build_problem(
     seed: int = 0,
 ):
     """Query, shuffled paged caches and metadata; the leading one-token requests are the decodes."""
-    from kernels import AttentionMetadata
+    from pagedq_kernels import AttentionMetadata
 
     hq, hkv, d = heads
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -155,8 +155,8 @@ def free_bytes(device: str) -> int:
 def check_correctness(device: str, small: bool) -> list[dict]:
     """Triton vs the torch reference on the same device; every output poisoned with NaN first.
     `split` cases force (num_partitions, min_partition) on the decode grid."""
-    from kernels import paged_attention, use_backend, write_kv
-    from kernels.paged_attention import paged_attention_triton
+    from pagedq_kernels import paged_attention, use_backend, write_kv
+    from pagedq_kernels.paged_attention import paged_attention_triton
 
     long = 300 if small else 5000
     heads = SMALL_HEADS if small else MODELS
@@ -223,7 +223,7 @@ def check_correctness(device: str, small: bool) -> list[dict]:
 def time_decode(
     device: str, models: list[str], batches: list[int], contexts: list[int], copy_bw: float, bench: Callable
 ) -> list[dict]:
-    from kernels import paged_attention, use_backend
+    from pagedq_kernels import paged_attention, use_backend
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     rows = []
@@ -346,7 +346,7 @@ def _triton_version() -> str:
 
 def run_cpu(args: argparse.Namespace) -> int:
     """The reference (the engine's CPU path) vs SDPA on contiguous K/V, SmolLM2-135M shapes."""
-    from kernels import paged_attention
+    from pagedq_kernels import paged_attention
 
     torch.set_num_threads(args.threads)
     bench = timer("cpu")

@@ -21,7 +21,7 @@ def cpu_model() -> str:
 
 def _native_bf16() -> bool | None:
     try:
-        from kernels.cpu import native_bf16
+        from pagedq_kernels.cpu import native_bf16
     except ImportError:
         return None
     return native_bf16()

@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _dtypes(arg: str | None) -> list[str]:
     if arg:
         return [d.strip() for d in arg.split(",") if d.strip()]
-    from kernels.cpu import native_bf16
+    from pagedq_kernels.cpu import native_bf16
 
     return ["float32", "bfloat16"] if native_bf16() else ["float32"]
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels import AttentionMetadata
+from pagedq_kernels import AttentionMetadata
 from worker.models.loader import ModelLoadError, load_model
 from worker.models.registry import UnsupportedArchitecture
 
@@ -208,7 +208,7 @@ def test_auto_dtype_on_cpu_is_never_an_emulated_half(declared):
     matmuls are tens of times slower. fp16 is never chosen on a CPU."""
     from types import SimpleNamespace
 
-    from kernels.cpu import native_bf16
+    from pagedq_kernels.cpu import native_bf16
     from worker.models.loader import resolve_dtype
 
     got = resolve_dtype("auto", SimpleNamespace(dtype=declared), torch.device("cpu"))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import kernels.cpu as kernels_cpu
+import pagedq_kernels
+import pagedq_kernels.cpu as kernels_cpu
 from tests.engine.oracle import hf_greedy
 from worker import LLMEngine, SamplingParams
 from worker.engine.transfer import Uploader
@@ -55,7 +55,7 @@ def test_decode_graph_path_gives_transformers_greedy_tokens(llama_dir):
     max_new = [2, 4, 6, 9, 12]
     want_forked = hf_greedy(llama_dir, forked, 5)
     want_varied = hf_greedy(llama_dir, varied, max_new)
-    with kernels.use_backend("triton"):
+    with pagedq_kernels.use_backend("triton"):
         engine = LLMEngine(model=str(llama_dir), dtype="float32", device="cpu", max_num_seqs=6, block_size=4)
         runner = engine.runner
         runner.uploader = Uploader(runner.device, copy=True)  # the staging a GPU uses, in host memory
@@ -79,7 +79,7 @@ def test_decode_graph_path_gives_transformers_greedy_tokens(llama_dir):
 def test_engine_is_ready_when_constructed(llama_dir, monkeypatch):
     """The C++ decode extension is built (or found unbuildable) by the constructor, and nothing is built
     afterwards; the warm-up step wrote nothing to the KV cache."""
-    if kernels.dispatch.backend_for(torch.zeros(1)) != "cpu":
+    if pagedq_kernels.dispatch.backend_for(torch.zeros(1)) != "cpu":
         pytest.skip("the CPU attention backend is not the active one here")
     monkeypatch.setattr(kernels_cpu, "_ext", None)  # as in a fresh worker process
     engine = LLMEngine(model=str(llama_dir), dtype="float32", device="cpu", enforce_eager=False)

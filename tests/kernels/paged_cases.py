@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from pagedq_kernels.metadata import AttentionMetadata
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import copy_blocks, use_backend, write_kv
-from kernels.cache_ops import write_kv_triton
-from kernels.reference import write_kv_ref
+from pagedq_kernels import copy_blocks, use_backend, write_kv
+from pagedq_kernels.cache_ops import write_kv_triton
+from pagedq_kernels.reference import write_kv_ref
 
 
 def _expected(key, value, k_cache, v_cache, slots):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from paged_cases import case_from_shape, dense_attention, make_case, random_shape, rel_err
 
-from kernels import cpu
-from kernels.reference import paged_attention_ref
+from pagedq_kernels import cpu
+from pagedq_kernels.reference import paged_attention_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 

@@ -1,4 +1,4 @@
-"""The C++ CPU fused layer ops (kernels/csrc/cpu_fused.cpp, the "cpu" backend) against their torch
+"""The C++ CPU fused layer ops (pagedq_kernels/csrc/cpu_fused.cpp, the "cpu" backend) against their torch
 references: the residual sum, the rotary embedding and the KV write bit for bit, the norms and
 SiLU-mul within a unit of the last place (a mean summed in another order, another exp)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, use_backend
-from kernels.fused import add_rms_norm, cpu_extension_for, rms_norm, rms_norm_ref, rotary_write_kv, silu_and_mul
+from pagedq_kernels import cpu, use_backend
+from pagedq_kernels.fused import add_rms_norm, cpu_extension_for, rms_norm, rms_norm_ref, rotary_write_kv, silu_and_mul
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 

@@ -1,4 +1,4 @@
-"""The C++ GEMM (kernels/csrc/cpu_gemm.cpp) against a float64 product of the same inputs, in fp32 and
+"""The C++ GEMM (pagedq_kernels/csrc/cpu_gemm.cpp) against a float64 product of the same inputs, in fp32 and
 bf16: every output within fp32's summation error bound (plus, in bf16, one bf16 step of the exact
 result), tails of rows and columns written and nothing past them, the same bits on one thread and on
 two."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
+from pagedq_kernels import cpu
 from worker.models.cpu_linear import gemm_bias, gemm_for
 
 SENTINEL = -7.0

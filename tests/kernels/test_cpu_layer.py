@@ -1,4 +1,4 @@
-"""The CPU's one-call decoder layer (kernels/csrc/cpu_layer.cpp via worker/models/cpu_layer.py) gives the
+"""The CPU's one-call decoder layer (pagedq_kernels/csrc/cpu_layer.cpp via worker/models/cpu_layer.py) gives the
 Python fused path's logits and cache bit for bit, in every family it takes, in fp32 and bf16, over decode
 steps and prompt chunks mixed; and it is not taken where some part of a layer would not run in the
 extension (then the Python layers run, as before)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, use_backend
 from ops.bench.gpu_check_common import run_steps
+from pagedq_kernels import cpu, use_backend
 from worker.models import cpu_layer
 from worker.models.cpu_linear import gemm_for
 from worker.models.loader import load_model

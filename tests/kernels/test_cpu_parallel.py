@@ -1,4 +1,4 @@
-"""The kernels' scheduler (kernels/csrc/cpu_parallel.h): every item runs exactly once, and a thread that
+"""The kernels' scheduler (pagedq_kernels/csrc/cpu_parallel.h): every item runs exactly once, and a thread that
 is held up has the rest of its share taken over by the others, the case of a core lent to Redis or the
 client for a while. The kernels built on it give the same bits on any number of threads."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from paged_cases import make_case
 
-from kernels import cpu
+from pagedq_kernels import cpu
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The C++ prefill attention (kernels/csrc/cpu_prefill.cpp) against float64 dense attention: chunks from
+"""The C++ prefill attention (pagedq_kernels/csrc/cpu_prefill.cpp) against float64 dense attention: chunks from
 scratch and after a cached context, sliding windows, every group size up to wider than one task, head
 sizes of one and several passes of the V product, blocks of keys cut short, the same bits on one thread
 and on two, and the checks that refuse what would read outside a tensor."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from paged_cases import dense_attention, make_case, rel_err
 
-from kernels import cpu
-from kernels.reference import paged_attention_ref
+from pagedq_kernels import cpu
+from pagedq_kernels.reference import paged_attention_ref
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2}
 EXT = cpu.extension()

@@ -1,4 +1,4 @@
-"""Greedy sampling's argmax on the CPU (kernels/csrc/cpu_sample.cpp) against torch's `max(dim=-1).indices`:
+"""Greedy sampling's argmax on the CPU (pagedq_kernels/csrc/cpu_sample.cpp) against torch's `max(dim=-1).indices`:
 the same index in every case torch defines, ties (the first maximum), NaN (the first NaN), rows of -inf,
 rows shorter than a vector and rows that are slices of a wider tensor."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.cpu import greedy_argmax
+from pagedq_kernels import cpu
+from pagedq_kernels.cpu import greedy_argmax
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 

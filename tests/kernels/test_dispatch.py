@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels.dispatch import ENV_VAR, backend_for
+import pagedq_kernels
+from pagedq_kernels.dispatch import ENV_VAR, backend_for
 
 
 def test_cpu_defaults_to_the_cpu_backend(monkeypatch):
@@ -23,15 +23,15 @@ def test_env_var_then_set_backend_then_context(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "triton")
     assert backend_for(torch.zeros(1)) == "triton"
     try:
-        kernels.set_backend("torch")
+        pagedq_kernels.set_backend("torch")
         assert backend_for(torch.zeros(1)) == "torch"
-        with kernels.use_backend("triton"):
+        with pagedq_kernels.use_backend("triton"):
             assert backend_for(torch.zeros(1)) == "triton"
-            with kernels.use_backend(None):  # automatic again (here: the env var)
+            with pagedq_kernels.use_backend(None):  # automatic again (here: the env var)
                 assert backend_for(torch.zeros(1)) == "triton"
         assert backend_for(torch.zeros(1)) == "torch"
     finally:
-        kernels.set_backend(None)
+        pagedq_kernels.set_backend(None)
     monkeypatch.setenv(ENV_VAR, "bogus")
     with pytest.raises(ValueError, match="bogus"):
         backend_for(torch.zeros(1))
@@ -39,37 +39,37 @@ def test_env_var_then_set_backend_then_context(monkeypatch):
 
 def test_unknown_backend_rejected():
     with pytest.raises(ValueError, match="cuda-graphs"):
-        kernels.set_backend("cuda-graphs")
-    with pytest.raises(ValueError), kernels.use_backend("nope"):
+        pagedq_kernels.set_backend("cuda-graphs")
+    with pytest.raises(ValueError), pagedq_kernels.use_backend("nope"):
         pass
-    assert kernels.dispatch._forced is None
+    assert pagedq_kernels.dispatch._forced is None
 
 
 def test_public_names():
     for name in ("AttentionMetadata", "write_kv", "paged_attention", "copy_blocks", "use_backend", "set_backend"):
-        assert hasattr(kernels, name)
+        assert hasattr(pagedq_kernels, name)
 
 
 def test_package_attribute_stays_the_function():
-    """Importing the Triton submodule must not rebind `kernels.paged_attention` to the module."""
-    import kernels.paged_attention
-    from kernels.paged_attention import paged_attention_triton  # noqa: F401
+    """Importing the Triton submodule must not rebind `pagedq_kernels.paged_attention` to the module."""
+    import pagedq_kernels.paged_attention
+    from pagedq_kernels.paged_attention import paged_attention_triton  # noqa: F401
 
-    assert callable(kernels.paged_attention)
-    assert kernels.paged_attention is kernels.dispatch.paged_attention
+    assert callable(pagedq_kernels.paged_attention)
+    assert pagedq_kernels.paged_attention is pagedq_kernels.dispatch.paged_attention
 
 
 def test_imports_and_runs_without_triton():
     """Platforms without a Triton wheel still get the torch path."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels\n"
+        "import torch, pagedq_kernels\n"
         "k = torch.zeros(2, 16, 1, 64); v = torch.zeros_like(k)\n"
-        "kernels.write_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), k, v, torch.tensor([3]))\n"
+        "pagedq_kernels.write_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), k, v, torch.tensor([3]))\n"
         "assert k.sum() == 64\n"
         "try:\n"
-        "    with kernels.use_backend('triton'):\n"
-        "        kernels.write_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), k, v, torch.tensor([3]))\n"
+        "    with pagedq_kernels.use_backend('triton'):\n"
+        "        pagedq_kernels.write_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), k, v, torch.tensor([3]))\n"
         "except RuntimeError as exc:\n"
         "    assert 'not installed' in str(exc)\n"
         "else:\n"

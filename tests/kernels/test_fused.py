@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import use_backend
-from kernels.fused import add_rms_norm, rms_norm, rms_norm_ref, rotary_embedding, rotary_write_kv, silu_and_mul
+from pagedq_kernels import use_backend
+from pagedq_kernels.fused import add_rms_norm, rms_norm, rms_norm_ref, rotary_embedding, rotary_write_kv, silu_and_mul
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import use_backend
+import pagedq_kernels
 from ops.bench.gpu_check import run_steps
+from pagedq_kernels import use_backend
 from worker.models.loader import load_model
 
 
@@ -36,7 +36,7 @@ def test_fused_path_matches_plain_path(tiny_model_dirs, family, device):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_cpu_fused_path_matches_plain_path(tiny_model_dirs, family):
-    """The same, with the C++ CPU extension's fused ops (kernels/csrc/cpu_fused.cpp)."""
+    """The same, with the C++ CPU extension's fused ops (pagedq_kernels/csrc/cpu_fused.cpp)."""
     model = load_model(tiny_model_dirs[family], dtype="float32", device="cpu").model
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 30, 21)]
@@ -55,8 +55,8 @@ def test_the_fused_path_is_the_default_on_cpu_with_the_extension(llama_dir, monk
     model = load_model(llama_dir, dtype="float32", device="cpu").model
     assert model.use_fused_ops is None  # auto: fused on CUDA, and on the CPU where the extension is built
     calls = []
-    add_rms_norm = kernels.add_rms_norm
-    monkeypatch.setattr(kernels, "add_rms_norm", lambda *a: calls.append(1) or add_rms_norm(*a))
+    add_rms_norm = pagedq_kernels.add_rms_norm
+    monkeypatch.setattr(pagedq_kernels, "add_rms_norm", lambda *a: calls.append(1) or add_rms_norm(*a))
     run_steps(model, [[5, 6, 7]], [3], "cpu", chunk=8)
     assert calls
     calls.clear()

@@ -12,10 +12,10 @@ import pytest
 import torch
 from paged_cases import Case, Shape, case_from_shape, dense_attention, make_case, random_shape, rel_err
 
-from kernels import AttentionMetadata, paged_attention, use_backend
-from kernels.decode import MAX_PARTITIONS, DecodeWorkspace, decode_num_partitions
-from kernels.paged_attention import paged_attention_triton
-from kernels.reference import paged_attention_ref
+from pagedq_kernels import AttentionMetadata, paged_attention, use_backend
+from pagedq_kernels.decode import MAX_PARTITIONS, DecodeWorkspace, decode_num_partitions
+from pagedq_kernels.paged_attention import paged_attention_triton
+from pagedq_kernels.reference import paged_attention_ref
 
 # fp32: both sides accumulate in fp32 (tl.dot with ieee precision), 1e-3 leaves a wide margin over
 # the ~1e-7 seen. fp16: the kernel rounds the probabilities to fp16 before P @ V and the output at
@@ -202,7 +202,7 @@ def test_strided_out(backend):
 
 def test_cached_workspace_only_grows_and_keeps_outgrown_buffers():
     """A CUDA graph captured on a workspace keeps writing into it: growing must not free it."""
-    from kernels import decode
+    from pagedq_kernels import decode
 
     small = decode.cached_workspace(4, 3, 40, torch.device("cpu"))
     assert decode.cached_workspace(2, 3, 40, torch.device("cpu")) is small  # big enough: reused

@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_cases import case_from_shape, dense_attention, make_case, random_shape, rel_err
 
-from kernels.reference import paged_attention_ref
+from pagedq_kernels.reference import paged_attention_ref
 
 
 def _run(case, meta=None, **kw):
@@ -88,7 +88,7 @@ def test_block_size_8_and_single_token_prefill_chunks():
 
 
 def test_gather_cap_splits_buckets(monkeypatch):
-    import kernels.reference as reference
+    import pagedq_kernels.reference as reference
 
     monkeypatch.setattr(reference, "_GATHER_ELEMENTS", 3 * 64 * 100)  # about one request per bucket
     lens = [90, 95, 99, 50, 3, 100]

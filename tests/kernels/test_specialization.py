@@ -14,13 +14,13 @@ import torch
 triton_jit = pytest.importorskip("triton.runtime.jit")
 from triton.backends.compiler import BaseBackend  # noqa: E402
 
-import kernels.cache_ops as cache_ops  # noqa: E402
-import kernels.decode as decode  # noqa: E402
-import kernels.fused_triton as fused  # noqa: E402
-import kernels.prefill as prefill  # noqa: E402
-from kernels import AttentionMetadata  # noqa: E402
-from kernels.fused_triton import rms_norm_triton, rotary_triton, silu_and_mul_triton  # noqa: E402
-from kernels.paged_attention import paged_attention_triton  # noqa: E402
+import pagedq_kernels.cache_ops as cache_ops  # noqa: E402
+import pagedq_kernels.decode as decode  # noqa: E402
+import pagedq_kernels.fused_triton as fused  # noqa: E402
+import pagedq_kernels.prefill as prefill  # noqa: E402
+from pagedq_kernels import AttentionMetadata  # noqa: E402
+from pagedq_kernels.fused_triton import rms_norm_triton, rotary_triton, silu_and_mul_triton  # noqa: E402
+from pagedq_kernels.paged_attention import paged_attention_triton  # noqa: E402
 
 KERNELS = {
     "prefill": (prefill, "_prefill_kernel"),

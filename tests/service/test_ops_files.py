@@ -520,7 +520,7 @@ def test_dockerfile_and_dockerignore():
 
     ignored = {line.strip() for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()}
     assert {".git", ".venv"} <= ignored
-    for needed in ("pyproject.toml", "producer_sdk", "worker", "kernels", "README.md"):
+    for needed in ("pyproject.toml", "producer_sdk", "worker", "pagedq_kernels", "README.md"):
         assert needed not in ignored
 
 

@@ -17,7 +17,7 @@ EXEMPT = {"ops/bench/gpu_check_speed.py", "ops/bench/kv_waste.py", "ops/bench/se
 
 
 def _sources():
-    for top in ("worker", "producer_sdk", "kernels", "ops"):
+    for top in ("worker", "producer_sdk", "pagedq_kernels", "ops"):
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             if rel.startswith("worker/engine/") or rel in EXEMPT:

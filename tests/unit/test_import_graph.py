@@ -1,10 +1,13 @@
 """The import graph, read from the source with `ast` (nothing is imported).
 
-Rules: no import cycle among the product's modules (producer_sdk/, worker/, kernels/), nor among
+Rules: no import cycle among the product's modules (producer_sdk/, worker/, pagedq_kernels/), nor among
 ops/'s; the product never imports `ops` (a source checkout's tooling, not installed) and never edits
-`sys.path`; the SDK stays torch-free: producer_sdk/ imports neither torch nor worker nor kernels; the gateway
-(producer_sdk/gateway/) imports only the standard library, producer_sdk and the packages of the
-`gateway` extra, and the rest of the SDK imports none of those (an SDK-only install has them not).
+`sys.path`; the SDK stays torch-free: producer_sdk/ imports neither torch nor worker nor
+pagedq_kernels; the gateway (producer_sdk/gateway/) imports only the standard library, producer_sdk
+and the packages of the `gateway` extra, and the rest of the SDK imports none of those (an SDK-only
+install has them not). No top-level package of the checkout has the import name of an installed
+distribution: the checkout is first on `sys.path`, so it would shadow it (transformers 5.25 imports
+Hugging Face's `kernels`, which the old top-level `kernels/` hid).
 
 Every import counts, at module level or inside a function, except those under `if TYPE_CHECKING:`
 (never run). An edge goes to the module an import names: `from a.b import c` to `a.b.c` when that is
@@ -25,9 +28,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("producer_sdk", "worker", "kernels")
+PRODUCT = ("producer_sdk", "worker", "pagedq_kernels")
 TOOLING = ("ops",)
-SDK_MUST_NOT_IMPORT = ("torch", "worker", "kernels")
+SDK_MUST_NOT_IMPORT = ("torch", "worker", "pagedq_kernels")
 SDK_DEPENDENCIES = ("redis", "msgspec")  # the base install
 # import name -> distribution in the `gateway` extra of pyproject.toml
 GATEWAY_DEPENDENCIES = {"starlette": "starlette", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
@@ -355,3 +358,12 @@ def test_an_import_of_ops_is_seen(tmp_path, source):
     _write(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": source})
     names = [i.name for m, p in find_modules(tmp_path, ["pkg"]).items() for i in imports_of(m, p)]
     assert any(n.split(".")[0] == "ops" for n in names)
+
+
+def test_no_top_level_package_shadows_an_installed_distribution():
+    from importlib.metadata import packages_distributions
+
+    provided = packages_distributions()
+    for top in PRODUCT + TOOLING:
+        others = sorted(d for d in provided.get(top, ()) if d.lower() != "pagedq")
+        assert not others, f"{top}/ hides the import name of the installed {others}"

@@ -5,7 +5,7 @@ buffers sized for the largest bucket: token ids, positions and slots (`tokens`, 
 sequence lengths, the constant `query_start_loc = arange` and block tables of a fixed width (the
 blocks of a max_model_len sequence). Rows past n are padding: token 0 at position 0, slot -1 (no KV
 write), length 0 (no attention). The decode kernel's split-K grid is fixed per bucket
-(`kernels.decode_num_partitions` at max_model_len) and its partial outputs go to one workspace, so
+(`pagedq_kernels.decode_num_partitions` at max_model_len) and its partial outputs go to one workspace, so
 nothing in a captured step depends on the host's view of the lengths.
 
 Capture happens once, at engine start, after the KV cache exists: largest bucket first, all graphs in
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-import kernels
-from kernels import AttentionMetadata, DecodeWorkspace
+import pagedq_kernels
+from pagedq_kernels import AttentionMetadata, DecodeWorkspace
 
 # vLLM's default cap too: past a few hundred requests a decode step is no longer launch-bound.
 MAX_CAPTURE_SIZE = 512
@@ -74,7 +74,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((top, width), **i32)
         attn = model.layers[0].self_attn
         hkv = kv_caches[0][0].shape[2]
-        parts = {b: kernels.decode_num_partitions(b, hkv, device, max_model_len) for b in self.sizes}
+        parts = {b: pagedq_kernels.decode_num_partitions(b, hkv, device, max_model_len) for b in self.sizes}
         self.partitions = parts
         rows = max(b * p for b, p in parts.items())
         workspace = DecodeWorkspace.allocate(rows, attn.num_heads, attn.head_dim, device)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import AttentionMetadata, copy_blocks
-from kernels import cpu as kernels_cpu
-from kernels.dispatch import backend_for
+from pagedq_kernels import AttentionMetadata, copy_blocks
+from pagedq_kernels import cpu as kernels_cpu
+from pagedq_kernels.dispatch import backend_for
 from worker.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from worker.engine.kv_cache import blocks_for_bytes
 from worker.engine.request import Sequence

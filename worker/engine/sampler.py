@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.cpu import greedy_argmax
+from pagedq_kernels.cpu import greedy_argmax
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.structured.bitmask import apply_bitmask
 from worker.engine.transfer import to_device

@@ -1,4 +1,4 @@
-"""The CPU's one-call decoder layer (kernels/csrc/cpu_layer.cpp): a layer's ten or so kernels called from
+"""The CPU's one-call decoder layer (pagedq_kernels/csrc/cpu_layer.cpp): a layer's ten or so kernels called from
 C++ rather than Python, the same kernels in the same order as `DecoderLayer.forward_fused`, so the output is
 the same bit for bit. It saves the Python glue between them, about 85 us per layer, 4-5% of a SmolLM2
 decode step on 2 cores.
@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels import AttentionMetadata
-from kernels.cpu import PREFILL_ENV, extension, supported
-from kernels.dispatch import backend_for
+from pagedq_kernels import AttentionMetadata
+from pagedq_kernels.cpu import PREFILL_ENV, extension, supported
+from pagedq_kernels.dispatch import backend_for
 
 ENV = "PAGEDQ_CPU_LAYER"
 

@@ -6,7 +6,7 @@ product ran 2.6x faster through oneDNN with the weight reordered once into its b
 and bf16 products up to 1.9x faster (`python -m ops.bench.gemm_paths`). Both are exact GEMMs in their
 dtype; only the summation order differs.
 
-Where the C++ extension has its own GEMM (`kernels/csrc/cpu_gemm.cpp`: fp32 on a CPU with AVX-512,
+Where the C++ extension has its own GEMM (`pagedq_kernels/csrc/cpu_gemm.cpp`: fp32 on a CPU with AVX-512,
 bf16 with avx512_bf16), it takes oneDNN's place. With SmolLM2's 30 layers of weights read from memory,
 as in a decode step, it ran 1.1x to 4.8x faster than oneDNN's packed path per shape at 1 to 64 rows in
 bf16 (1.1x to 2.3x in fp32). From 256 rows up it ran at 0.93x to 1.19x of it in bf16
@@ -56,7 +56,7 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     if not onednn_available():
         return False
     if dtype == torch.bfloat16:
-        from kernels.cpu import native_bf16
+        from pagedq_kernels.cpu import native_bf16
 
         return native_bf16()
     return True
@@ -67,7 +67,7 @@ def gemm_for(dtype: torch.dtype):
     bfloat16 where it has avx512_bf16) and PAGEDQ_CPU_GEMM is not 0; else None."""
     if os.environ.get(GEMM_ENV, "1") == "0":
         return None
-    from kernels.cpu import extension
+    from pagedq_kernels.cpu import extension
 
     ext = extension()
     return ext if ext is not None and str(dtype).removeprefix("torch.") in ext.gemm_dtypes() else None

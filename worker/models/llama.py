@@ -1,8 +1,8 @@
 """The Llama family on the paged KV cache: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm),
-SmolLM2. One flattened token axis, fused QKV and gate/up projections, attention through `kernels`.
+SmolLM2. One flattened token axis, fused QKV and gate/up projections, attention through `pagedq_kernels`.
 
 On CUDA, and on the CPU where the C++ extension is built, the elementwise work between the matmuls
-goes through fused kernels (`kernels.add_rms_norm`, `kernels.silu_and_mul`, `kernels.rotary_write_kv`:
+goes through fused kernels (`pagedq_kernels.add_rms_norm`, `.silu_and_mul`, `.rotary_write_kv`:
 rotary embedding folded into the KV-cache write), about 10 calls per layer instead of about 37.
 Elsewhere the plain torch code below runs, operation for operation what transformers computes.
 `LlamaForCausalLM.use_fused_ops` forces either path. Where the extension runs every part of a layer, the
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels import AttentionMetadata
-from kernels.fused import cpu_extension_for, rms_norm_ref, rotate_ref
+import pagedq_kernels
+from pagedq_kernels import AttentionMetadata
+from pagedq_kernels.fused import cpu_extension_for, rms_norm_ref, rotate_ref
 from worker.models.cpu_layer import LayerConstants, layer_plan, run_layers
 from worker.models.cpu_linear import linear, pack
 
@@ -119,11 +119,13 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if isinstance(cos_sin, Rotary):  # fused: rotate q and k in place, k and v straight into the cache
             rope = cos_sin
-            kernels.rotary_write_kv(positions, q, k, v, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
+            pagedq_kernels.rotary_write_kv(positions, q, k, v, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
         else:
             q, k = rotate_ref(q, *cos_sin), rotate_ref(k, *cos_sin)
-            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
+            pagedq_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = pagedq_kernels.paged_attention(
+            q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window
+        )
         return linear(o.reshape(t, self.q_size), self.o_proj)
 
 
@@ -155,7 +157,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
         if fused:
-            return linear(kernels.silu_and_mul(gate_up), self.down_proj)
+            return linear(pagedq_kernels.silu_and_mul(gate_up), self.down_proj)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
 
@@ -179,11 +181,11 @@ class DecoderLayer(nn.Module):
         into the next norm. The same sums in the same dtype as `forward`."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
-            residual, h = x, kernels.rms_norm(x, ln1.weight, ln1.eps)
+            residual, h = x, pagedq_kernels.rms_norm(x, ln1.weight, ln1.eps)
         else:
-            h, residual = kernels.add_rms_norm(x, residual, ln1.weight, ln1.eps)
+            h, residual = pagedq_kernels.add_rms_norm(x, residual, ln1.weight, ln1.eps)
         a = self.self_attn(h, rotary, kv_cache, meta, positions)
-        h, residual = kernels.add_rms_norm(a, residual, ln2.weight, ln2.eps)
+        h, residual = pagedq_kernels.add_rms_norm(a, residual, ln2.weight, ln2.eps)
         return self.mlp(h, fused=True), residual
 
 
@@ -242,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
                 residual = None
                 for layer, cache in zip(self.layers, kv_caches, strict=True):
                     x, residual = layer.forward_fused(x, residual, self.rotary, positions, cache, meta)
-            return kernels.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+            return pagedq_kernels.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
         cos_sin = self.rotary.tables(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos_sin, cache, meta)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import native_bf16
+from pagedq_kernels.cpu import native_bf16
 from worker.models.cpu_linear import packing_enabled
 from worker.models.registry import model_class
 

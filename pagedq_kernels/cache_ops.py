@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import HAS_TRITON, jit, next_power_of_2, tl
+from pagedq_kernels.triton_compat import HAS_TRITON, jit, next_power_of_2, tl
 
 __all__ = ["HAS_TRITON", "copy_blocks", "write_kv_triton"]
 

@@ -1,8 +1,8 @@
 """Fused layer ops: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding (+ KV-cache write).
 
-Each goes to a Triton kernel for CUDA tensors (kernels/fused_triton.py), to the C++ CPU extension
-for CPU tensors (kernels/csrc/cpu_fused.cpp, when it is built), and to plain torch otherwise,
-following the same backend choice as attention (kernels/dispatch.py). The torch versions compute
+Each goes to a Triton kernel for CUDA tensors (pagedq_kernels/fused_triton.py), to the C++ CPU extension
+for CPU tensors (pagedq_kernels/csrc/cpu_fused.cpp, when it is built), and to plain torch otherwise,
+following the same backend choice as attention (pagedq_kernels/dispatch.py). The torch versions compute
 exactly what the unfused model code computes; they are the fallback and the tests' reference.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import DTYPES, extension
-from kernels.dispatch import backend_for, need_triton
+from pagedq_kernels.cpu import DTYPES, extension
+from pagedq_kernels.dispatch import backend_for, need_triton
 
 
 def cpu_extension_for(*tensors: torch.Tensor):
@@ -43,7 +43,7 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim."""
     if backend_for(x) == "triton":
-        from kernels.fused_triton import rms_norm_triton
+        from pagedq_kernels.fused_triton import rms_norm_triton
 
         need_triton()
         return rms_norm_triton(x, weight, eps)
@@ -58,7 +58,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual): the residual add and the next norm in one pass."""
     if backend_for(x) == "triton":
-        from kernels.fused_triton import rms_norm_triton
+        from pagedq_kernels.fused_triton import rms_norm_triton
 
         need_triton()
         return rms_norm_triton(x, weight, eps, residual=residual)
@@ -73,7 +73,7 @@ def add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for x = [gate | up] along the last dim."""
     if backend_for(x) == "triton":
-        from kernels.fused_triton import silu_and_mul_triton
+        from pagedq_kernels.fused_triton import silu_and_mul_triton
 
         need_triton()
         return silu_and_mul_triton(x)
@@ -106,7 +106,7 @@ def rotary_write_kv(
     """`rotary_embedding`, then store the rotated keys and `value` at `slot_mapping` of the caches
     (negative slots are skipped), in one kernel on CUDA. Without caches only the rotation happens."""
     if backend_for(query) == "triton":
-        from kernels.fused_triton import rotary_triton
+        from pagedq_kernels.fused_triton import rotary_triton
 
         need_triton()
         rotary_triton(positions, query, key, cos, sin, value, k_cache, v_cache, slot_mapping)
@@ -122,6 +122,6 @@ def rotary_write_kv(
     query.copy_(rotate_ref(query, c, s))
     key.copy_(rotate_ref(key, c, s))
     if k_cache is not None:
-        from kernels.reference import write_kv_ref
+        from pagedq_kernels.reference import write_kv_ref
 
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)

@@ -1,5 +1,5 @@
 """The one dispatch point: Triton for CUDA tensors; on the CPU the C++ decode kernel with the torch
-reference for prefill ("cpu", see kernels/cpu.py), or the plain reference ("torch").
+reference for prefill ("cpu", see pagedq_kernels/cpu.py), or the plain reference ("torch").
 
 The choice can be forced, for tests and benchmarks, by `set_backend(name)`, the `use_backend(name)`
 context manager, or the environment variable PAGEDQ_ATTENTION_BACKEND, in that order of precedence.
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from pagedq_kernels.metadata import AttentionMetadata
 
 BACKENDS = ("triton", "cpu", "torch")
 ENV_VAR = "PAGEDQ_ATTENTION_BACKEND"
@@ -58,7 +58,7 @@ def backend_for(tensor: torch.Tensor) -> str:
 
 def need_triton() -> None:
     """Raise a clear error when a call went to the Triton backend and Triton is not installed."""
-    from kernels.triton_compat import HAS_TRITON
+    from pagedq_kernels.triton_compat import HAS_TRITON
 
     if not HAS_TRITON:
         raise RuntimeError("the triton backend needs the triton package, which is not installed")
@@ -73,12 +73,12 @@ def write_kv(
 ) -> None:
     """Store key/value `[T, Hkv, D]` at `slot_mapping` (block_id * block_size + offset; < 0 = skip)."""
     if backend_for(k_cache) == "triton":
-        from kernels.cache_ops import write_kv_triton
+        from pagedq_kernels.cache_ops import write_kv_triton
 
         need_triton()
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
-        from kernels.reference import write_kv_ref
+        from pagedq_kernels.reference import write_kv_ref
 
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
@@ -99,16 +99,16 @@ def paged_attention(
     is visible iff q_pos - k_pos < w. `out`, when given, receives the result and is returned.
     """
     if backend_for(query) == "triton":
-        from kernels.paged_attention import paged_attention_triton
+        from pagedq_kernels.paged_attention import paged_attention_triton
 
         need_triton()
         return paged_attention_triton(
             query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out
         )
     if backend_for(query) == "cpu":
-        from kernels.cpu import paged_attention_cpu
+        from pagedq_kernels.cpu import paged_attention_cpu
 
         return paged_attention_cpu(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out)
-    from kernels.reference import paged_attention_ref
+    from pagedq_kernels.reference import paged_attention_ref
 
     return paged_attention_ref(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, out=out)

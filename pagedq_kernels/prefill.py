@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attend_tile import attend_tile
-from kernels.metadata import AttentionMetadata
-from kernels.triton_compat import cdiv, jit, next_power_of_2, tl
+from pagedq_kernels.attend_tile import attend_tile
+from pagedq_kernels.metadata import AttentionMetadata
+from pagedq_kernels.triton_compat import cdiv, jit, next_power_of_2, tl
 
 # Values that change from step to step are never specialised on: a new value must not compile a new
 # kernel in the middle of serving (Triton would otherwise key on "== 1" and "% 16 == 0").

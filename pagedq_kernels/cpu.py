@@ -1,5 +1,5 @@
 """The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp), the
-fused layer ops (csrc/cpu_fused.cpp, called from kernels/fused.py) and a GEMM for the projections
+fused layer ops (csrc/cpu_fused.cpp, called from pagedq_kernels/fused.py) and a GEMM for the projections
 (csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py), a prefill attention
 (csrc/cpu_prefill.cpp), greedy sampling's argmax (csrc/cpu_sample.cpp) and a decoder layer that calls
 those kernels from C++ (csrc/cpu_layer.cpp, used by worker/models/cpu_layer.py), plus the torch reference.
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention_ref, prefill_ref
+from pagedq_kernels.metadata import AttentionMetadata
+from pagedq_kernels.reference import paged_attention_ref, prefill_ref
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE_NAMES = ("decode", "fused", "gemm", "prefill", "sample", "layer", "parallel")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from pagedq_kernels.metadata import AttentionMetadata
 
 # Bucketing of decodes: a request joins the current bucket while its key count is at least this
 # fraction of the bucket's longest one. Fewer buckets = fewer ops, more padding.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.triton_compat import jit, tl
+from pagedq_kernels.triton_compat import jit, tl
 
 
 @jit

@@ -1,8 +1,8 @@
 """Triton attention over the paged KV cache: the launcher that splits a step between two kernels.
 
-* `kernels/decode.py` serves the leading one-token requests with a fixed split-K grid (CUDA-graph safe);
-* `kernels/prefill.py` serves the prefill / extend chunks after them;
-* both share `kernels/attend_tile.py`, an online-softmax step over a tile of `BLOCK_N` keys that finds
+* `pagedq_kernels/decode.py` serves the leading one-token requests with a fixed split-K grid (CUDA-graph safe);
+* `pagedq_kernels/prefill.py` serves the prefill / extend chunks after them;
+* both share `pagedq_kernels/attend_tile.py`, an online-softmax step over a tile of `BLOCK_N` keys that finds
   each key's block through the block table. Head dims that are not powers of two are padded to the
   next one with masked loads; softmax runs in base 2 on fp32 accumulators.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode import MIN_PARTITION, decode_num_partitions, launch_decode
-from kernels.metadata import AttentionMetadata
-from kernels.prefill import launch_prefill
-from kernels.triton_compat import HAS_TRITON, next_power_of_2
+from pagedq_kernels.decode import MIN_PARTITION, decode_num_partitions, launch_decode
+from pagedq_kernels.metadata import AttentionMetadata
+from pagedq_kernels.prefill import launch_prefill
+from pagedq_kernels.triton_compat import HAS_TRITON, next_power_of_2
 
 __all__ = ["HAS_TRITON", "decode_num_partitions", "paged_attention_triton"]
 
@@ -44,7 +44,7 @@ def paged_attention_triton(
     num_partitions: int | None = None,
     min_partition: int = MIN_PARTITION,
 ) -> torch.Tensor:
-    """Attention of `query` `[T, Hq, D]` over the paged cache (see kernels.dispatch.paged_attention).
+    """Attention of `query` `[T, Hq, D]` over the paged cache (see pagedq_kernels.dispatch.paged_attention).
 
     `num_partitions` forces the decode grid's split (else `meta.decode_partitions`, else chosen from
     the batch); `min_partition` (a multiple of the key tile) lets tests split short contexts.

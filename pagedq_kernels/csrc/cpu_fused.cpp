@@ -2,7 +2,7 @@
 // write). A decode step of a small model runs thousands of tiny torch ops, each costing a dispatch
 // and a pass over memory; these do each group in one call and one pass.
 //
-// Each one replays the torch reference of kernels/fused.py op by op in the tensor's dtype, rounding
+// Each one replays the torch reference of pagedq_kernels/fused.py op by op in the tensor's dtype, rounding
 // to it where torch does (`rnd`), so bf16 and fp16 results match it except where a sum is taken in
 // another order (the RMSNorm mean) or a transcendental differs in its last bit (exp in SiLU). The
 // library is built with -ffp-contract=off: a multiply-add is never fused into an FMA that torch's

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import cdiv, jit, next_power_of_2, tl
+from pagedq_kernels.triton_compat import cdiv, jit, next_power_of_2, tl
 
 
 @jit

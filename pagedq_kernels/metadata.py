@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kernels.decode import DecodeWorkspace
+    from pagedq_kernels.decode import DecodeWorkspace
 
 
 @dataclass
@@ -25,7 +25,7 @@ class AttentionMetadata:
     have any length >= 1. `max_query_len` / `max_seq_len` are host ints so no kernel needs a device sync.
 
     Inside a CUDA graph the Triton decode path reads only device tensors plus `num_decodes`,
-    `decode_partitions` (the split-K grid, fixed per captured batch size: `kernels.decode_num_partitions`)
+    `decode_partitions` (the split-K grid, fixed per captured batch size: `pagedq_kernels.decode_num_partitions`)
     and `decode_workspace` (the partial-output buffer, allocated once). Padded requests have seq_len 0
     and slot -1: they attend nothing and write nothing to the cache.
     """

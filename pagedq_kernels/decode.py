@@ -19,16 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attend_tile import attend_tile
-from kernels.metadata import AttentionMetadata
-from kernels.triton_compat import cdiv, jit, next_power_of_2, tl
+from pagedq_kernels.attend_tile import attend_tile
+from pagedq_kernels.metadata import AttentionMetadata
+from pagedq_kernels.triton_compat import cdiv, jit, next_power_of_2, tl
 
 # Decode is memory-bound: split contexts until there are about this many programs per SM, never into
 # partitions of fewer keys than MIN_PARTITION, never into more than MAX_PARTITIONS.
 PROGRAMS_PER_SM = 4
 MIN_PARTITION = 256
 MAX_PARTITIONS = 64
-# Per-step values, never specialised on (see kernels/prefill.py).
+# Per-step values, never specialised on (see pagedq_kernels/prefill.py).
 DECODE_PER_STEP_ARGS = ("window", "num_partitions", "stride_bt")
 COMBINE_PER_STEP_ARGS = ("window", "num_partitions")
 
@@ -232,7 +232,7 @@ def cached_workspace(rows: int, num_q_heads: int, head_dim: int, device: torch.d
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "the decode workspace would grow during CUDA graph capture: pass "
-                "AttentionMetadata.decode_workspace, or call kernels.reserve_decode_workspace first"
+                "AttentionMetadata.decode_workspace, or call pagedq_kernels.reserve_decode_workspace first"
             )
         if ws is not None:
             _retired.append(ws)
