@@ -127,6 +127,8 @@ class StreamMux:
                 continue
             finally:
                 self._blocked = False
+            if _cancel_was_swallowed():
+                raise asyncio.CancelledError  # (redis-py 8 can lose one that lands while it sends)
             if refused:
                 await self._one_by_one(batch, count)
                 continue
@@ -208,3 +210,10 @@ class StreamMux:
             self.usable = False  # this client may not write its wake stream: from now on each reader reads alone
         except Exception:
             pass  # the XREAD fails too, or its slice ends: either way the new reader is read next round
+
+
+def _cancel_was_swallowed() -> bool:
+    """Whether this task was cancelled and went on running (Python 3.11+ can tell)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() > 0

@@ -195,6 +195,23 @@ def test_bad_requests_raise_typed_errors(engine):
     assert_clean(engine)
 
 
+def test_prepared_requests_are_queued_all_together_or_not_at_all(engine):
+    p = SamplingParams(temperature=0, max_tokens=1)
+    reqs = [engine.prepare_request(f"together-{i}", prompt_token_ids=[3, 4, 5 + i], params=p) for i in range(4)]
+    with pytest.raises(RequestError, match="given twice"):
+        engine.add_prepared([reqs[0], reqs[1], reqs[0]])
+    late = engine.prepare_request("together-late", prompt_token_ids=[7, 8], params=p)
+    engine.add_request("together-late", prompt_token_ids=[7, 8], params=p)  # the same id, added meanwhile
+    with pytest.raises(RequestError, match="already running"):
+        engine.add_prepared([*reqs, late])
+    assert engine.get_num_unfinished_requests() == 1  # none of the batch was queued
+    drain(engine)
+    engine.add_prepared(reqs)
+    outs = engine.step()  # one step takes the whole batch: each needs one token
+    assert sorted(o.request_id for o in outs if o.finished) == [r.request_id for r in reqs]
+    assert_clean(engine)
+
+
 def test_request_larger_than_the_pool_fails_instead_of_hanging(llama_dir):
     eng = LLMEngine(model=str(llama_dir), dtype="float32", device="cpu", num_kv_blocks=4, watermark=0.0)
     eng.add_request("big", prompt_token_ids=list(range(1, 100)), params=SamplingParams(max_tokens=4))

@@ -8,17 +8,21 @@ requests enter and leave the engine thread's state in lifecycle.py (a grammar-co
 waits there until its grammar has compiled, see structured/).
 
 Thread model: `add_request` / `abort_request` may be called from any thread (they tokenize on the
-caller's thread and queue a command), and so may `snapshot()` and `limits`; everything else, `step()`
-included, runs on one engine thread. Commands are applied at the start of the next step, so an abort
-frees its blocks within one step.
+caller's thread and queue a command), and so may `prepare_request` / `add_prepared` (the same add in
+two halves, so that a burst joins as one command: no step sees part of it), `snapshot()` and `limits`;
+everything else, `step()` included, runs on one engine thread. Commands are applied at the start of
+the next step, so an abort frees its blocks within one step.
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+import threading
 import time
+from collections import Counter
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -137,6 +141,7 @@ class LLMEngine(RequestLifecycle):
         self._compiling: list[Request] = []  # admitted, waiting for their grammar to compile
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._accepted: set[str] = set()  # ids added and not yet finished (any thread may read)
+        self._accepting = threading.Lock()  # one check-and-add of ids at a time
         self._auto_id = itertools.count()
         self.stats = EngineStats()
         self._snapshots = SnapshotMaker(self.stats, self.scheduler, self.kv)
@@ -159,6 +164,33 @@ class LLMEngine(RequestLifecycle):
         request_id: str | None,
         prompt: str | Seq[int] | None = None,
         params: SamplingParams | None = None,
+        **options: Any,
+    ) -> str:
+        """Queue a request for the next step; returns its id. `prepare_request` lists the options."""
+        req = self.prepare_request(request_id, prompt, params, **options)
+        self.add_prepared([req])
+        return req.request_id
+
+    def add_prepared(self, requests: Seq[Request]) -> None:
+        """Queue prepared requests as one command: the step that takes one takes them all. Raises
+        `RequestError`, and queues none, when an id is already running or repeats in `requests`."""
+        ids = [r.request_id for r in requests]
+        repeated = [i for i, n in Counter(ids).items() if n > 1]
+        if repeated:
+            raise RequestError(f"request id {repeated[0]!r} is given twice")
+        with self._accepting:
+            running = [i for i in ids if i in self._accepted]
+            if running:
+                raise RequestError(f"request id {running[0]!r} is already running")
+            self._accepted.update(ids)
+        if requests:
+            self._inbox.put(("add", list(requests)))
+
+    def prepare_request(
+        self,
+        request_id: str | None,
+        prompt: str | Seq[int] | None = None,
+        params: SamplingParams | None = None,
         *,
         prompt_token_ids: Seq[int] | None = None,
         messages: list[dict] | None = None,
@@ -174,8 +206,8 @@ class LLMEngine(RequestLifecycle):
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool = True,
-    ) -> str:
-        """Queue a request for the next step; returns its id. Raises `RequestError` if it cannot run.
+    ) -> Request:
+        """Tokenize and validate a request for `add_prepared`. Raises `RequestError` if it cannot run.
 
         `resume` continues a request another worker started: per sample, the output tokens already
         delivered. They are recomputed as context (not sampled again) and count toward max_tokens.
@@ -209,9 +241,7 @@ class LLMEngine(RequestLifecycle):
             tenant=tenant,
             tenant_weight=tenant_weight,
         )
-        self._accepted.add(request_id)
-        self._inbox.put(("add", req))
-        return request_id
+        return req
 
     def abort_request(self, request_ids: str | Seq[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -65,12 +65,13 @@ class RequestLifecycle:
             except queue.Empty:
                 return
             if kind == "add":
-                try:
-                    self._admit(arg, outputs)
-                except Exception as e:  # a request that cannot even start must not stop the engine
-                    arg.error = f"request cannot start: {e!r}"
-                    self.requests[arg.request_id] = arg
-                    self._finish_request(arg, SeqStatus.FINISHED_ABORTED, outputs)
+                for req in arg:
+                    try:
+                        self._admit(req, outputs)
+                    except Exception as e:  # a request that cannot even start must not stop the engine
+                        req.error = f"request cannot start: {e!r}"
+                        self.requests[req.request_id] = req
+                        self._finish_request(req, SeqStatus.FINISHED_ABORTED, outputs)
             elif kind == "abort" and arg in self.requests:
                 self._finish_request(self.requests[arg], SeqStatus.FINISHED_ABORTED, outputs)
 

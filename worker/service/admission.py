@@ -4,8 +4,10 @@ Every entry is decoded and validated with the protocol's strict decoder. A bad o
 `Error` event when its request id can be read, a dead letter, the ack); one cancelled or past its
 deadline while queued is answered without compute; the rest are tokenized and added to the engine
 on one dedicated thread (a tokenizer is not safe to share between threads, and a long prompt must
-not stall the event loop). Whatever goes wrong while admitting one entry ends that entry with a
-typed error and touches no other: no in-flight record is ever left without an engine request.
+not stall the event loop). The requests of one batch of entries join the engine as one command, so
+the first step after a burst holds all of it. Whatever goes wrong while admitting one entry ends that
+entry with a typed error and touches no other: no in-flight record is ever left without an engine
+request.
 Reclaimed entries (a dead worker's) are resumed from what their response stream holds.
 """
 
@@ -29,6 +31,8 @@ from producer_sdk.errors import MalformedPayload, ProtocolError
 from producer_sdk.protocol import Finished, GenerateRequest, decode_request, encode_request
 from producer_sdk.validation import Limits
 from worker.engine.engine import LLMEngine
+from worker.engine.errors import RequestError
+from worker.engine.request import Request
 from worker.engine.sampling_params import SamplingParams
 from worker.service.closer import EntryCloser
 from worker.service.inflight import Entry, EntryKey, InFlight, InFlightTable
@@ -36,6 +40,14 @@ from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.replay import CorruptStream, Resume, replay
 from worker.service.tracing import RequestTracer
+
+
+@dataclass
+class Starting:
+    """An entry whose request joins the engine with the rest of its batch."""
+
+    entry: Entry
+    rec: InFlight
 
 
 @dataclass
@@ -125,8 +137,12 @@ class Admission:
         # the newest takes the lease (as `_stale` decides between batches), the others are duplicates.
         newer = _superseded(entries)
         fresh = [e for e in entries if e.key not in newer]
-        for e, taken in zip(fresh, await self._take(fresh), strict=True):
-            await self._guarded(e, self._admit_taken(e, taken, reclaimed=reclaimed))
+        starting: list[Starting] = []
+        try:
+            for e, taken in zip(fresh, await self._take(fresh), strict=True):
+                await self._guarded(e, self._admit_taken(e, taken, starting, reclaimed=reclaimed))
+        finally:  # even when Redis failed for a later entry: the records already made must run
+            await self._start_all(starting)
         for e in entries:
             if e.key in newer:
                 msg = f"a newer entry ({newer[e.key]}) of this request id runs it"
@@ -168,7 +184,7 @@ class Admission:
         rec = self.inflight.get(e.request_id or "")
         return e.request_id is not None and rec is None
 
-    async def _admit_taken(self, e: Entry, taken: Taken | None, *, reclaimed: bool) -> None:
+    async def _admit_taken(self, e: Entry, taken: Taken | None, starting: list[Starting], *, reclaimed: bool) -> None:
         rid = e.request_id
         if taken is None:
             mine = self.inflight.get(rid or "")
@@ -177,7 +193,7 @@ class Admission:
             if mine is not None:  # another entry of a request running here: its lease is not this one's
                 await self.closer.refuse(e, rid, "duplicate", "request id already running here", seq=None)
                 return
-            await self._admit_one(e, None, False)  # no request id: decoding refuses it
+            await self._admit_one(e, None, False, starting)  # no request id: decoding refuses it
             return
         assert rid is not None
         if taken.error is not None:  # say a key of the wrong type: this entry alone ends
@@ -206,9 +222,9 @@ class Admission:
         if reclaimed or resume.next_seq:
             self.metrics.labels(self.metrics.reclaimed).inc()
             self.log.info("resuming request", request_id=rid, attempt=resume.attempt, delivered=resume.tokens)
-            await self._admit_one(e, resume, taken.cancelled)
+            await self._admit_one(e, resume, taken.cancelled, starting)
         else:
-            await self._admit_one(e, None, taken.cancelled)
+            await self._admit_one(e, None, taken.cancelled, starting)
 
     async def _stale(self, e: Entry, request_id: str, lease: scripts.AcquireReply) -> None:
         """A newer delivery holds the request's lease. Of this entry: another worker runs it now (nothing
@@ -220,7 +236,7 @@ class Admission:
         msg = f"a newer entry ({holder}) of this request id runs it"
         await self.closer.refuse(e, request_id, "duplicate", msg, seq=None)
 
-    async def _admit_one(self, e: Entry, resume: Resume | None, is_cancelled: bool) -> None:
+    async def _admit_one(self, e: Entry, resume: Resume | None, is_cancelled: bool, starting: list[Starting]) -> None:
         req = await self._decode(e)
         if req is None:
             return
@@ -236,7 +252,7 @@ class Admission:
         elif req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
             reason = "deadline"
         else:
-            await self._start(e, req, resume)
+            starting.append(Starting(e, self._record(e, req, resume)))
             return
         await self.closer.answer(e, req.request_id, Finished(seq=seq, attempt=attempt, finish_reason=reason))
         if self.tracer is not None:
@@ -261,7 +277,9 @@ class Admission:
 
     # --- into the engine ----------------------------------------------------------------------
 
-    async def _start(self, e: Entry, req: GenerateRequest, resume: Resume | None) -> None:
+    def _record(self, e: Entry, req: GenerateRequest, resume: Resume | None) -> InFlight:
+        """The in-flight record of an entry about to start (registered now, so a repeat in the same
+        batch is seen as a duplicate)."""
         sp = req.sampling
         rec = InFlight(
             request_id=req.request_id,
@@ -278,29 +296,73 @@ class Admission:
             rec.next_seq, rec.attempt, rec.delivered = resume.next_seq, resume.attempt, resume.delivered
             rec.resumed_tokens = resume.tokens
         self.inflight[req.request_id] = rec
-        try:
-            await self.add_to_engine(rec)
-        except Exception as err:
-            self.inflight.pop(req.request_id, None)
-            if is_transient(err):
-                raise
-            code = getattr(err, "code", None) or (
-                "invalid_request" if isinstance(err, ValueError) else "internal_error"
-            )
-            await self.closer.refuse(e, req.request_id, code, str(err), seq=rec.next_seq, attempt=rec.attempt)
-            if self.tracer is not None:
-                self.tracer.ended_early(req, e, rec.attempt, error_code=code, message=str(err))
+        return rec
+
+    async def _start_all(self, starting: list[Starting]) -> None:
+        """Tokenize the batch's requests and add them to the engine together; end those that fail."""
+        if not starting:
             return
-        self.log.debug("request admitted", request_id=req.request_id, tenant=rec.tenant, lane=e.lane)
-        if self.recently_cancelled(req.request_id):  # cancelled while we were admitting it
-            self.engine.abort_request(req.request_id)
-        self.wake_engine()
+        recs = [s.rec for s in starting]
+        errors = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, self._add_all, recs, False)
+        failed = [(s, err) for s, err in zip(starting, errors, strict=True) if err is not None]
+        for s, _ in failed:
+            self.inflight.pop(s.rec.request_id, None)
+        for s, err in zip(starting, errors, strict=True):
+            if err is None:
+                self.log.debug("request admitted", request_id=s.rec.request_id, tenant=s.rec.tenant, lane=s.entry.lane)
+                if self.recently_cancelled(s.rec.request_id):  # cancelled while we were admitting it
+                    self.engine.abort_request(s.rec.request_id)
+        if len(failed) < len(starting):
+            self.wake_engine()
+        outage = next((err for _, err in failed if is_transient(err)), None)
+        for s, err in failed:
+            if not is_transient(err):
+                await self._guarded(s.entry, self._refuse_start(s, err))
+        if outage is not None:
+            raise outage  # the pull loop retries; the entry stays pending and is reclaimed later
+
+    async def _refuse_start(self, s: Starting, err: Exception) -> None:
+        rec = s.rec
+        code = getattr(err, "code", None) or ("invalid_request" if isinstance(err, ValueError) else "internal_error")
+        await self.closer.refuse(s.entry, rec.request_id, code, str(err), seq=rec.next_seq, attempt=rec.attempt)
+        if self.tracer is not None:
+            self.tracer.ended_early(rec.request, s.entry, rec.attempt, error_code=code, message=str(err))
 
     async def add_to_engine(self, rec: InFlight, isolated: bool = False) -> None:
         """Tokenize (and render the chat template) on the tokenizer thread, then queue the request."""
-        await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, self._add, rec, isolated)
+        loop = asyncio.get_running_loop()
+        [error] = await loop.run_in_executor(self.tokenizer_thread, self._add_all, [rec], isolated)
+        if error is not None:
+            raise error
 
-    def _add(self, rec: InFlight, isolated: bool) -> None:
+    def _add_all(self, recs: list[InFlight], isolated: bool) -> list[Exception | None]:
+        """On the tokenizer thread: prepare each request, then queue all that could be in one command.
+        Per record, the error that kept it out (None: queued)."""
+        prepared: list[Request | None] = []
+        errors: list[Exception | None] = []
+        for rec in recs:
+            try:
+                prepared.append(self._prepare(rec, isolated))
+                errors.append(None)
+            except Exception as err:
+                prepared.append(None)
+                errors.append(err)
+        try:
+            self.engine.add_prepared([p for p in prepared if p is not None])
+        except RequestError:  # one runs already: each alone, so that only that one fails
+            for i, p in enumerate(prepared):
+                if p is not None:
+                    try:
+                        self.engine.add_prepared([p])
+                    except RequestError as err:
+                        errors[i] = err
+        now = time.time()
+        for rec, err in zip(recs, errors, strict=True):
+            if err is None:
+                rec.added_at = now
+        return errors
+
+    def _prepare(self, rec: InFlight, isolated: bool) -> Request:
         req = rec.request
         messages = [msgspec.to_builtins(m) for m in req.messages] if req.messages else None
         arrival = req.created_ms / 1000 if req.created_ms else None
@@ -310,7 +372,7 @@ class Admission:
         params = SamplingParams.from_wire(req.sampling)
         if req.response_format is not None:  # v2: OpenAI's response_format is a structured-output constraint
             params.structured_outputs = structured_outputs_for(req.response_format)
-        self.engine.add_request(
+        return self.engine.prepare_request(
             req.request_id,
             req.prompt,
             params,
@@ -328,7 +390,6 @@ class Admission:
             tool_choice=msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None,
             parallel_tool_calls=req.parallel_tool_calls,
         )
-        rec.added_at = time.time()
 
     async def dead_letter(self, rec: InFlight, code: str, message: str) -> None:
         """Dead-letter a request this worker had accepted (its payload re-encoded)."""

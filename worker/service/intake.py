@@ -244,7 +244,8 @@ class Intake:
 
     async def _read(self, room: int, block: bool = True) -> list[Entry]:
         """Up to `room` new entries, high lane first; block on all lanes when none is waiting (unless
-        told not to)."""
+        told not to). The blocking read takes one entry; the rest of a burst that woke it is read at once
+        after it, so that the burst is admitted together (its first engine step holds all of it)."""
         entries: list[Entry] = []
         for stream in self.streams.values():
             if len(entries) >= room:
@@ -256,7 +257,10 @@ class Intake:
         got = await self.blocking.xreadgroup(
             self.group, self.consumer, {s: ">" for s in self.streams.values()}, count=1, block=self.block_ms
         )
-        return self._entries(got)
+        entries = self._entries(got)
+        if entries and room > 1:
+            entries += await self._read(room - 1, block=False)
+        return entries
 
     def _entries(self, reply) -> list[Entry]:
         lane_of = {s: lane for lane, s in self.streams.items()}
