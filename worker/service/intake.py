@@ -2,8 +2,9 @@
 
 Each round takes only as many entries as the engine has room for, counted in sequences (a request
 with n samples takes n seats): the number of entries read is the free seats over the mean n of the
-requests seen so far (one entry until the first is seen), and nothing is read while fewer seats are
-free than that mean. So idle workers take the rest: load balancing with no router.
+requests seen so far (one entry until the first is seen; the rest of its burst is read once its n is
+known), and nothing is read while fewer seats are free than that mean. So idle workers take the rest:
+load balancing with no router.
 Entries a dead worker left idle past the claim timeout come first (XAUTOCLAIM, every reclaim
 interval), then new ones, high lane first; with nothing waiting it blocks on all lanes at once.
 Redis outages and transient errors are retried with backoff; anything else stops the worker (the
@@ -19,6 +20,7 @@ with the least weighted share so far. Held entries stay pending to this worker i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -27,7 +29,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from producer_sdk.contract import keys
+from producer_sdk.contract.keys import ENTRY_DATA_FIELD
 from producer_sdk.contract.redis_errors import is_transient
+from producer_sdk.protocol import decode_request
 from worker.service.admission import Admission
 from worker.service.fair_queue import FairQueue
 from worker.service.inflight import Entry, EntryKey
@@ -126,6 +130,19 @@ class Intake:
             return 0  # an entry would likely not fit: leave it to a worker with room
         return max(1, room // need) if room > 0 else 0
 
+    def _learned_seats(self, entries: list[Entry]) -> bool:
+        """Whether these are the first entries the worker reads and one decodes: then the mean n is
+        theirs (the admission decodes them again, strictly, and refuses the bad ones)."""
+        if self.admission.mean_seats is not None or not entries:
+            return False
+        ns = []
+        for e in entries:
+            with contextlib.suppress(Exception):
+                ns.append(decode_request(e.fields[ENTRY_DATA_FIELD.encode()], self.admission.limits).sampling.n)
+        if ns:
+            self.admission.mean_seats = sum(ns) / len(ns)
+        return bool(ns)
+
     async def _retry_later(self, backoff: Backoff, error: BaseException, then=None) -> None:
         self.metrics.labels(self.metrics.redis_errors).inc()
         delay = backoff.next()
@@ -148,12 +165,18 @@ class Intake:
                 return  # the room changed: measure it again
         if self.fair is None:
             entries = await self._read(room)
+            if self._learned_seats(entries):  # the worker's first entry: the rest of its burst, now sized
+                entries += await self._read(self._entries_to_read() - len(entries), block=False)
             if entries:
                 await self.admission.admit(entries)
             return
         want = room + self.window - len(self.fair)
         if want > 0:
-            for e in await self._read(want, block=not self.fair):
+            got = await self._read(want, block=not self.fair)
+            if self._learned_seats(got):  # the worker's first entry: the rest of its burst, now sized
+                room = self._entries_to_read()
+                got += await self._read(room + self.window - len(self.fair) - len(got), block=False)
+            for e in got:
                 self.fair.push(e)
         if self.fair:
             await self.weights.refresh(self.fair.tenants())
