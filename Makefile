@@ -19,6 +19,7 @@ REDIS_PY_NEWEST ?= redis==8.1.0
 REDIS_NEWEST_DIR := $(VENV)/redis-newest
 # (the worker with the newest redis-py: through Sentinel here, and on a cluster in the cluster pass)
 NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_resume.py tests/service/test_sdk_mux.py \
+	tests/service/test_sdk_submit_batch.py \
 	tests/service/test_sdk_sync.py tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py \
 	tests/unit/test_sentinel_url.py tests/service/test_sentinel_service.py
 # The cluster pass: the contract's steps, the SDK, the worker service, tenants, traces and the OpenAI client
@@ -27,6 +28,7 @@ NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_re
 # policies over the same steps), the health endpoints, the structured-output grammars and the ops files (but
 # for the backlog metrics and one resume test).
 CLUSTER_TESTS ?= tests/service/test_contract_scripts.py tests/service/test_sdk_client.py tests/service/test_sdk_sync.py \
+	tests/service/test_sdk_submit_batch.py \
 	tests/service/test_sdk_resume.py tests/service/test_worker_service.py tests/service/test_tenants.py \
 	tests/service/test_tracing_service.py \
 	tests/service/test_worker_health.py::test_backlog_metrics_for_autoscaling \

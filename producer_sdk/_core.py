@@ -229,6 +229,15 @@ def parse_enqueue_reply(reply: Any, p: Prepared) -> EnqueueResult:
     return EnqueueResult(r.status == "duplicate", r.entry_id)
 
 
+def read_enqueue_reply(reply: Any, p: Prepared) -> EnqueueResult:
+    """`parse_enqueue_reply` of one pipelined reply, which may be the error Redis answered (raised,
+    typed where retrying cannot fix it)."""
+    if isinstance(reply, Exception):
+        translated = translate_redis_error(reply)
+        raise translated if translated is not None else reply
+    return parse_enqueue_reply(reply, p)
+
+
 def cancel_commands(model: str, request_id: str, ttl_s: float) -> list[tuple[Any, ...]]:
     """The two commands of a cancel, in order: the flag (read at intake and between steps), then the
     notification (for the worker that owns the request now). Sent one after the other, not in one
@@ -281,11 +290,8 @@ def parse_many_replies(
     results: list[EnqueueResult | None] = []
     first_full: QueueFull | RateLimited | None = None
     for p, reply in zip(prepared, replies):
-        if isinstance(reply, Exception):
-            translated = translate_redis_error(reply)
-            raise translated if translated is not None else reply
         try:
-            results.append(parse_enqueue_reply(reply, p))
+            results.append(read_enqueue_reply(reply, p))
         except (QueueFull, RateLimited) as full:
             results.append(None)
             first_full = first_full or full

@@ -20,9 +20,10 @@ from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._mux import StreamMux
 from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
+from producer_sdk._submit_batch import SubmitBatcher
 from producer_sdk.contract import keys, scripts, steps
 from producer_sdk.contract.cluster import is_cluster
-from producer_sdk.contract.redis_errors import RETRY_CANDIDATES
+from producer_sdk.contract.redis_errors import RETRY_CANDIDATES, is_transient
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
 from producer_sdk.results import Chunk, Completion, QueueStats
 
@@ -151,6 +152,7 @@ class AsyncClient(ClientBase):
     _asyncio = True
     _handle_class = Handle
     _mux: StreamMux | None = None
+    _batcher: SubmitBatcher | None = None
 
     def _reader(self) -> StreamMux | None:
         """The one XREAD that the client's readers share (producer_sdk._mux); None on a cluster."""
@@ -344,13 +346,31 @@ class AsyncClient(ClientBase):
             self._models.check(self.model)
 
     async def _enqueue(self, p: Prepared) -> EnqueueResult:
+        """Enqueue `p` with the other submits of this event-loop pass (producer_sdk._submit_batch)."""
+        loop = asyncio.get_running_loop()
+        if self._batcher is None or self._batcher.loop is not loop:
+            self._batcher = SubmitBatcher(self._send_enqueues, loop)
+        return await self._batcher.enqueue(p)
+
+    async def _send_enqueues(self, batch: list[Prepared]) -> list[Any]:
+        """One pipeline of enqueues; a request whose reply is a transient error is sent again (with
+        backoff, as a lone submit would be), the others keep their replies."""
         await self._check_model()
+        replies: list[Any] = [None] * len(batch)
+        todo = list(range(len(batch)))
 
-        async def run() -> Any:
-            step, ks, args = self._enqueue_call(p, await self._quotas({p.tenant}))
-            return await step.run(self._redis, ks, args)
+        async def run() -> list[Any]:
+            nonlocal todo
+            quotas = await self._quotas({batch[i].tenant for i in todo})
+            sent = await steps.run_many(self._redis, [self._enqueue_call(batch[i], quotas) for i in todo])
+            for i, reply in zip(todo, sent, strict=True):
+                replies[i] = reply
+            todo = [i for i in todo if isinstance(replies[i], Exception) and is_transient(replies[i])]
+            if todo:
+                raise replies[todo[0]]
+            return replies
 
-        return _core.parse_enqueue_reply(await self._retry(run, p.request_id), p)
+        return await self._retry(run, batch[0].request_id)
 
     async def _quotas(self, tenants: set[str]) -> dict[str, scripts.Quota]:
         """The tenants' quotas as they are now (read before each enqueue, which applies them)."""

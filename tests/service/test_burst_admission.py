@@ -9,10 +9,12 @@ admission handed the engine each request as soon as it was tokenized.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis
 
-from producer_sdk import Client
+from producer_sdk import AsyncClient, Client
 from producer_sdk.contract import keys
 from producer_sdk.contract.connection import connect
 from producer_sdk.protocol import Finished, GenerateRequest, SamplingParams, encode_request
@@ -55,6 +57,32 @@ def test_a_burst_at_an_idle_worker_runs_in_one_step(llama_dir, redis_url, warm):
 
         wait_until(finished, timeout=60, what="every request of the burst to finish")
         assert w.metric(STEPS) == 1 + warm, "the burst took more than one engine step: it was admitted in parts"
+    finally:
+        w.stop()
+        admin.close()
+
+
+def test_concurrent_submits_of_an_async_client_run_in_one_step(llama_dir, redis_url):
+    """Submits gathered on one AsyncClient reach Redis in one pipeline (producer_sdk._submit_batch): the
+    worker reads them as one burst. Sent one by one, they were admitted over several steps."""
+    admin = connect(redis_url, asyncio=False, socket_timeout=10)
+    w = WorkerProc(llama_dir, redis_url, name="burst-async-w", model=MODEL).start()
+    try:
+        with Client(redis_url, model=MODEL) as client:
+            assert client.generate("warm up", max_tokens=1, temperature=0).finish_reason == "length"
+        wait_until(lambda: w.metric(STEPS) == 1, what="the warm-up step to be counted")
+        wait_until(lambda: blocked_reads(admin) == 1, what="the worker to wait in its blocking read")
+
+        async def burst() -> list[str]:
+            async with AsyncClient(redis_url, model=MODEL) as c:
+                handles = await asyncio.gather(
+                    *(c.submit(f"prompt number {i}", max_tokens=1, temperature=0, ignore_eos=True) for i in range(8))
+                )
+                done = await asyncio.gather(*(h.result(timeout=60) for h in handles))
+            return [d.finish_reason for d in done]
+
+        assert asyncio.run(burst()) == ["length"] * 8
+        assert w.metric(STEPS) == 2, "the gathered submits took more than one engine step"
     finally:
         w.stop()
         admin.close()
