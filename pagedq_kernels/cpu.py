@@ -1,6 +1,7 @@
 """The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp), the
 fused layer ops (csrc/cpu_fused.cpp, called from pagedq_kernels/fused.py) and a GEMM for the projections
-(csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py), a prefill attention
+(csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py; bf16 on AMX tiles in
+csrc/cpu_gemm_amx.cpp), a prefill attention
 (csrc/cpu_prefill.cpp), greedy sampling's argmax (csrc/cpu_sample.cpp) and a decoder layer that calls
 those kernels from C++ (csrc/cpu_layer.cpp, used by worker/models/cpu_layer.py), plus the torch reference.
 The GEMM and the attention kernels share their work between torch's threads through csrc/cpu_parallel.h:
@@ -14,7 +15,8 @@ and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, ever
 reference (and the model takes its plain, unfused path). Prefill chunks go through the C++ prefill
 kernel (csrc/cpu_prefill.cpp, AVX-512, fp32 and bf16) where it is built, else the torch reference.
 The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
-with bf16 dot products where avx512_bf16 is, else AVX2; PAGEDQ_CPU_AVX512=0 builds the AVX2 one
+with bf16 dot products where avx512_bf16 is (and the bf16 GEMM on AMX tiles where amx_bf16 is,
+csrc/cpu_gemm_amx.cpp), else AVX2; PAGEDQ_CPU_AVX512=0 builds the AVX2 one
 (whose projections then go through oneDNN: the extension's GEMM needs AVX-512).
 """
 
@@ -35,7 +37,7 @@ from pagedq_kernels.metadata import AttentionMetadata
 from pagedq_kernels.reference import paged_attention_ref, prefill_ref
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE_NAMES = ("decode", "fused", "gemm", "prefill", "sample", "layer", "parallel")
+_SOURCE_NAMES = ("decode", "fused", "gemm", "gemm_amx", "prefill", "sample", "layer", "parallel")
 SOURCES = [_CSRC / f"cpu_{name}.cpp" for name in _SOURCE_NAMES]
 HEADERS = [_CSRC / name for name in ("cpu_vec.h", "cpu_decode_avx512.h", "cpu_avx512.h", "cpu_ops.h", "cpu_parallel.h")]
 PREFILL_ENV = "PAGEDQ_CPU_PREFILL"  # 0: prefill chunks through the torch reference (an A/B switch)
@@ -73,6 +75,8 @@ def _compile_flags() -> list[str]:
             flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
             if "avx512_bf16" in cpu_flags():
                 flags.append("-mavx512bf16")
+                if {"amx_tile", "amx_bf16"} <= cpu_flags():  # the bf16 GEMM on AMX tiles
+                    flags += ["-mamx-tile", "-mamx-bf16"]
     return flags
 
 

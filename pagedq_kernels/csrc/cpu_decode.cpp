@@ -247,6 +247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_argmax", &greedy_argmax, "each row's first maximum, as torch's max(dim=-1).indices", nogil);
   m.def("greedy_argmax_fast", &greedy_argmax_fast, "whether greedy_argmax has its vector path here (AVX-512)");
   m.def("decoder_layer", &decoder_layer, "one Llama-family decoder layer, the fused path's kernels called from C++", nogil);
+  m.def("gemm_amx_available", &gemm_amx_available, "whether bf16 gemm_linear runs on AMX tiles from 4 rows up here");
   m.def("gemm_linear", &gemm_linear, "out = x @ W^T (+ bias) through a packed weight", nogil);
   m.def("shares_trace", &shares_trace, "how often, and on which thread, each item of the kernels' scheduler ran", nogil);
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_avx512.h"
+#include "cpu_ops.h"
 #include "cpu_parallel.h"
 
 namespace {
@@ -207,7 +208,10 @@ void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
 #ifdef PAGEDQ_GEMM_FP32
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
 #ifdef PAGEDQ_GEMM_BF16
-  if (dtype == at::kBFloat16) return run<at::BFloat16>(x, packed, b, out);
+  if (dtype == at::kBFloat16) {
+    if (gemm_amx(x, packed, b, out)) return;  // AMX tiles where the CPU has them, from 4 rows up
+    return run<at::BFloat16>(x, packed, b, out);
+  }
 #endif
   run<float>(x, packed, b, out);
 #endif

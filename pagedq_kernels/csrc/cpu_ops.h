@@ -24,6 +24,10 @@ std::vector<std::string> gemm_dtypes();
 torch::Tensor pack_gemm_weight(torch::Tensor weight);
 void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
 
+// cpu_gemm_amx.cpp: bf16 on AMX tiles (false: not taken, the caller's vector kernel runs instead)
+bool gemm_amx_available();
+bool gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, torch::Tensor& out);
+
 // cpu_sample.cpp
 bool greedy_argmax_fast();
 torch::Tensor greedy_argmax(torch::Tensor x);

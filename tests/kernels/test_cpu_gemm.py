@@ -53,7 +53,10 @@ def _run(x, packed, bias, n, pad=16):
         (13, 960, 576),
         (250, 72, 1538),
         (64, 3072, 576),
-    ],  # every tail of rows (mod 6) and of panels (mod 4), partial panels of 1, 8, 9 and 15 columns
+        (40, 48, 320),
+        (300, 17, 64),
+    ],  # every tail of rows (mod 6) and of panels (mod 4), partial panels of 1, 8, 9 and 15 columns; on AMX
+    # (K a multiple of 32, 4 rows or more) a tail of 8 rows, an odd panel count, two blocks of rows
 )
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_matches_the_exact_product(dtype, m, n, k, with_bias):
@@ -128,3 +131,37 @@ def test_the_extension_builds_the_gemm_for_what_the_cpu_has():
     flags = cpu._compile_flags()  # AVX-512 where the CPU has it and PAGEDQ_CPU_AVX512 is not 0
     want = (["float32"] if "-mavx512f" in flags else []) + (["bfloat16"] if "-mavx512bf16" in flags else [])
     assert ext.gemm_dtypes() == want
+
+
+AMX = {"amx_tile", "amx_bf16"} <= cpu.cpu_flags() and "-mavx512bf16" in cpu._compile_flags()
+
+
+def test_bf16_takes_the_amx_tiles_where_the_cpu_has_them():
+    ext = cpu.extension()
+    assert ext.gemm_amx_available() == AMX
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tiles on this CPU")
+def test_the_amx_path_is_the_one_taken_and_agrees_with_the_vector_kernel(tmp_path):
+    """The same product with PAGEDQ_CPU_AMX=0 (the vector kernel, in a child process) sums in another order:
+    some outputs differ in their last bf16 bit, all within the error bound of the exact product."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(3)
+    x, w = torch.randn(64, 576, dtype=torch.bfloat16), torch.randn(960, 576, dtype=torch.bfloat16)
+    torch.save((x, w), tmp_path / "in.pt")
+    script = (
+        "import sys, torch; from worker.models.cpu_linear import gemm_for; x, w = torch.load(sys.argv[1]); "
+        "ext = gemm_for(x.dtype); out = torch.empty(64, 960, dtype=x.dtype); "
+        "ext.gemm_linear(x, ext.pack_gemm_weight(w), None, out); torch.save(out, sys.argv[2])"
+    )
+    env = {**__import__("os").environ, "PAGEDQ_CPU_AMX": "0"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env, check=True)
+    vector = torch.load(tmp_path / "out.pt")
+    tiles = _run(x, gemm_for(torch.bfloat16).pack_gemm_weight(w), None, 960)
+    assert not torch.equal(tiles, vector)
+    exact = x.double() @ w.double().t()
+    bound = _step(exact, torch.bfloat16) + 577 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+    assert torch.all((tiles.double() - exact).abs() <= bound)
+    assert torch.all((vector.double() - exact).abs() <= bound)

@@ -10,7 +10,10 @@ Where the C++ extension has its own GEMM (`pagedq_kernels/csrc/cpu_gemm.cpp`: fp
 bf16 with avx512_bf16), it takes oneDNN's place. With SmolLM2's 30 layers of weights read from memory,
 as in a decode step, it ran 1.1x to 4.8x faster than oneDNN's packed path per shape at 1 to 64 rows in
 bf16 (1.1x to 2.3x in fp32). From 256 rows up it ran at 0.93x to 1.19x of it in bf16
-(`python -m ops.bench.gemm_paths --cold`, ops/bench/RESULTS.md).
+(`python -m ops.bench.gemm_paths --cold`, ops/bench/RESULTS.md). On a CPU with AMX, bf16 products of 4 rows
+or more run on its tiles (pagedq_kernels/csrc/cpu_gemm_amx.cpp, same packed weight): on a 2-core Xeon they
+ran 1.0x to 1.65x as fast as oneDNN's AMX path at 8 to 64 rows (0.6x to 1.3x at 256) and 1.3x to 7.2x as
+fast as the vector kernel.
 
 Packing replaces a projection's weight with its packed copy (the plain weight's storage is freed, so
 weights are not held twice); the embedding table stays plain, and a tied LM head is packed as a copy.
