@@ -5,6 +5,10 @@ two."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -145,9 +149,6 @@ def test_bf16_takes_the_amx_tiles_where_the_cpu_has_them():
 def test_the_amx_path_is_the_one_taken_and_agrees_with_the_vector_kernel(tmp_path):
     """The same product with PAGEDQ_CPU_AMX=0 (the vector kernel, in a child process) sums in another order:
     some outputs differ in their last bf16 bit, all within the error bound of the exact product."""
-    import subprocess
-    import sys
-
     torch.manual_seed(3)
     x, w = torch.randn(64, 576, dtype=torch.bfloat16), torch.randn(960, 576, dtype=torch.bfloat16)
     torch.save((x, w), tmp_path / "in.pt")
@@ -156,8 +157,9 @@ def test_the_amx_path_is_the_one_taken_and_agrees_with_the_vector_kernel(tmp_pat
         "ext = gemm_for(x.dtype); out = torch.empty(64, 960, dtype=x.dtype); "
         "ext.gemm_linear(x, ext.pack_gemm_weight(w), None, out); torch.save(out, sys.argv[2])"
     )
-    env = {**__import__("os").environ, "PAGEDQ_CPU_AMX": "0"}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env, check=True)
+    env = {**os.environ, "PAGEDQ_CPU_AMX": "0"}
+    args = [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
+    subprocess.run(args, env=env, check=True)
     vector = torch.load(tmp_path / "out.pt")
     tiles = _run(x, gemm_for(torch.bfloat16).pack_gemm_weight(w), None, 960)
     assert not torch.equal(tiles, vector)
