@@ -26,6 +26,10 @@ def goals(res: dict[str, dict]) -> list[dict]:
         out.append(_goal(f"offline: pagedq vs {label}", f">= {target:g}x", v, v >= target, fmt(v, 2, "x")))
     frac = num(off.get("ceiling", {}).get("fraction"))
     out.append(_goal("offline: share of the hardware ceiling (matmul FLOP/s)", ">= 60%", frac, frac >= 0.6, pct(frac)))
+    v = num(off.get("ceiling", {}).get("roofline", {}).get("share"))
+    out.append(
+        _goal("offline: share of the roofline bound, matmul rate and memory (reported)", "report", v, None, pct(v))
+    )
     if off.get("dtype") == "float32":
         agree = [num(a.get("identical")) for a in off.get("agreement", {}).values()]
         v = min(agree) if agree else math.nan

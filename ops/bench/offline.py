@@ -8,7 +8,8 @@ from `getrusage` in that subprocess, `torch.set_num_threads(threads)`):
                 `--single-requests` is below `--requests`: it is the slow one)
     hf-static   transformers `generate`, batches of 16 in arrival order, left padding
     hf-cb       transformers continuous batching (the `generate_batch` engine), tuned sizes
-    matmul      a 2048^3 product in the same dtype and threads, the fastest GEMM path here: the ceiling
+    matmul      a 2048^3 product in the same dtype and threads, the fastest GEMM path here: the ceiling;
+                and the memory's streaming rate, for the roofline bound (ops/bench/roofline.py)
 
 Systems run round-robin inside each repeat (the order rotated from one repeat to the next), so slow
 drifts of a shared machine hit all of them; each
@@ -34,28 +35,11 @@ from typing import Any
 
 from ops.bench.common import BLOCK_SIZE, child_entry, kv_blocks_for, model_info, run_child
 from ops.bench.progress import Progress
+from ops.bench.roofline import flops_per_token, measure_bandwidth, model_flops, roofline
 from ops.bench.stats import median
 from ops.bench.workloads import Workload, make_workload, mean_context, warmup_requests
 
 SYSTEMS = ("pagedq", "hf-single", "hf-static", "hf-cb")
-
-
-def model_flops(info: dict, workload: Workload) -> float:
-    """Useful FLOPs to run the workload: every position through the layers (2 per matmul parameter,
-    plus causal attention QK^T and PV over its context), and the LM head once per sampled token."""
-    attn = 4 * info["layers"] * info["heads"] * info["head_dim"]
-    total = 0.0
-    for r in workload.requests:
-        n = len(r.prompt) + r.max_tokens - 1  # positions run; the last sampled token is never fed back
-        total += 2 * info["matmul_params_layers"] * n + attn * n * (n + 1) / 2
-        total += 2 * info["matmul_params_lm_head"] * r.max_tokens
-    return total
-
-
-def flops_per_token(info: dict, ctx: float) -> float:
-    """2 x (matmul parameters incl. the LM head) + attention at context `ctx`."""
-    p = info["matmul_params_layers"] + info["matmul_params_lm_head"]
-    return 2 * p + 4 * info["layers"] * info["heads"] * info["head_dim"] * ctx
 
 
 # --- the child side --------------------------------------------------------------------------------
@@ -168,6 +152,7 @@ def child_main(spec_path: str) -> int:
     result: dict[str, Any] = {"system": spec["system"], "threads": torch.get_num_threads()}
     if spec["system"] == "matmul":
         result.update(measure_matmul(spec["dtype"], spec["device"]))
+        result["bandwidth"] = measure_bandwidth(spec["device"])["bytes_per_s"]
     else:
         wl = Workload.load(spec["workload"])
         if spec.get("indices") is not None:
@@ -374,6 +359,18 @@ def _assemble(args, info, wl, kv_blocks, runs, errors, sweep, cb_preset, single_
         ceiling["fraction_brief_formula"] = median(
             ceiling["flops_per_token"] * a["total_tok_s"] / b["flops"] for a, b in pairs
         )
+        if all("bandwidth" in b and "steps" in a for a, b in pairs):
+            ceiling["bandwidth"] = median(b["bandwidth"] for b in mm)
+            ceiling["roofline"] = roofline(
+                info,
+                wl,
+                args.dtype,
+                steps=median(a["steps"] for a in pq),
+                useful_flops=useful,
+                matmul_flops=ceiling["matmul_flops"],
+                bandwidth=ceiling["bandwidth"],
+                elapsed_s=median(a["elapsed_s"] for a in pq),
+            )
     return {
         "kind": "offline",
         "model": info,

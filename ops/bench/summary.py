@@ -64,6 +64,13 @@ def _offline_section(off: dict) -> list[str]:
         f"{fmt(c.get('mean_context'), 0)}; the per-token formula x total tokens/s gives "
         f"{pct(c.get('fraction_brief_formula'))}).",
     ]
+    if r := c.get("roofline"):
+        lines.append(
+            f"Memory streams at {fmt(num(c.get('bandwidth')) / 1e9, 1)} GB/s here. The least time this workload takes "
+            f"(ops/bench/roofline.py) is {fmt(r['bound_s'], 2)} s, bound by {r['bound_by']} (arithmetic at the matmul "
+            f"rate {fmt(r['compute_s'], 2)} s; {fmt(r['bytes'] / 1e9, 1)} GB of weights and KV cache "
+            f"{fmt(r['memory_s'], 2)} s): pagedq runs at **{pct(r['share'])}** of that bound."
+        )
     cb = off.get("hf_cb", {})
     if cb.get("sweep"):
         tried = ", ".join(

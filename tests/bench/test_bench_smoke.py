@@ -110,9 +110,11 @@ def test_offline_tiny_fp32_agrees_with_transformers(llama_dir, tmp_path, capsys)
     assert res["agreement"]["hf-single"]["identical"] == 1.0
     assert res["systems"]["pagedq"]["runs"][0]["output_tokens"] == res["workload"]["output_tokens"]
     assert res["systems"]["pagedq"]["out_tok_s"] > 0 and res["ceiling"]["matmul_flops"] > 0
+    assert res["ceiling"]["bandwidth"] > 0 and res["ceiling"]["roofline"]["share"] > 0
     assert list(out.glob("offline-*.json"))
     summary = (out / "latest" / "summary.md").read_text()
     assert "## Offline throughput" in summary and "fp32: greedy outputs identical" in summary
+    assert "Memory streams at" in summary and "share of the roofline bound" in summary
     assert (out / "latest" / "throughput.png").exists()
     assert "# pagedq benchmarks" in capsys.readouterr().out
 
