@@ -39,7 +39,18 @@ from pagedq_kernels.reference import paged_attention_ref, prefill_ref
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE_NAMES = ("decode", "fused", "gemm", "gemm_amx", "prefill", "sample", "layer", "parallel")
 SOURCES = [_CSRC / f"cpu_{name}.cpp" for name in _SOURCE_NAMES]
-HEADERS = [_CSRC / name for name in ("cpu_vec.h", "cpu_decode_avx512.h", "cpu_avx512.h", "cpu_ops.h", "cpu_parallel.h")]
+HEADERS = [
+    _CSRC / name
+    for name in (
+        "cpu_vec.h",
+        "cpu_decode_avx512.h",
+        "cpu_avx512.h",
+        "cpu_ops.h",
+        "cpu_parallel.h",
+        "cpu_amx.h",
+        "cpu_prefill_amx.h",
+    )
+]
 PREFILL_ENV = "PAGEDQ_CPU_PREFILL"  # 0: prefill chunks through the torch reference (an A/B switch)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the extension takes
 _log = logging.getLogger("pagedq.kernels")

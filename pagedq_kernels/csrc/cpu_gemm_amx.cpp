@@ -18,56 +18,22 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpu_amx.h"
 #include "cpu_avx512.h"
 #include "cpu_ops.h"
 #include "cpu_parallel.h"
 
-#if defined(PAGEDQ_GEMM_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PAGEDQ_GEMM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace {
 
-#ifdef PAGEDQ_GEMM_AMX
+#ifdef PAGEDQ_AMX
 constexpr int64_t kTile = 16;       // rows of a tile; output columns of a panel
 constexpr int64_t kDepth = 32;      // K per tile step: 64 bytes of x's row, 16 pairs of the weight
 constexpr int64_t kBlockRows = 256;  // rows of x per pass over a thread's panels (kept in L2)
 // Fewer rows go through the vector kernel, which won at 1 and 2 rows (python -m ops.bench.gemm_paths).
 constexpr int64_t kAmxMinRows = 4;
 
-// Tiles 0-3: sums (x tile i, panel j) at 2 i + j; 4-5: x; 6-7: the weight. All 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-const TileConfig& tile_config() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.rows[t] = kTile;
-      c.colsb[t] = 64;
-    }
-    return c;
-  }();
-  return config;
-}
-
-// Linux hands out the tiles' register state only to a process that asks for it (once, for all threads).
-bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    const char* env = std::getenv("PAGEDQ_CPU_AMX");
-    if (env && std::strcmp(env, "0") == 0) return false;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+// Tiles 0-3: sums (x tile i, panel j) at 2 i + j; 4-5: x; 6-7: the weight (cpu_amx.h's shapes).
+using pagedq_amx::tiles_permitted;
 
 // Sums of x rows [0, 16 I) times panels [0, J) over K, into c [16 I][32] (fp32).
 template <int I, int J>
@@ -110,7 +76,7 @@ struct AmxGemm {
 
 // Rows [m0, m1) (m0 a multiple of 16) of panels p, p + 1 (p alone when it is the last).
 void panel_pair(const AmxGemm& g, int64_t m0, int64_t m1, int64_t p) {
-  _tile_loadconfig(&tile_config());  // each time: another library's tiles may have run on this thread
+  pagedq_amx::load_tile_config();
   alignas(64) float c[2 * kTile * 2 * kTile];
   const int J = p + 1 < g.panel_count ? 2 : 1;
   const at::BFloat16* w = g.w + p * g.panel_stride;
@@ -139,7 +105,7 @@ void panel_pair(const AmxGemm& g, int64_t m0, int64_t m1, int64_t p) {
 }  // namespace
 
 bool gemm_amx_available() {
-#ifdef PAGEDQ_GEMM_AMX
+#ifdef PAGEDQ_AMX
   return tiles_permitted();
 #else
   return false;
@@ -147,7 +113,7 @@ bool gemm_amx_available() {
 }
 
 bool gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, torch::Tensor& out) {
-#ifdef PAGEDQ_GEMM_AMX
+#ifdef PAGEDQ_AMX
   const int64_t M = x.size(0), K = x.size(1);
   if (x.scalar_type() != at::kBFloat16 || M < kAmxMinRows || K % kDepth != 0 || !tiles_permitted()) return false;
   torch::Tensor rows = x;

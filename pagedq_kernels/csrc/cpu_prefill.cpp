@@ -20,8 +20,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_avx512.h"
 #include "cpu_parallel.h"
 
@@ -123,6 +125,7 @@ inline void pack_v(const at::BFloat16* const* rows, int64_t D, at::BFloat16* out
 template <typename T>
 struct Work {
   std::vector<T> kp, vp, p;  // packed K and V of a block; P of a row tile (kTileRows x kKeys)
+  std::vector<T> qc;         // on AMX tiles: the task's query rows, contiguous (cpu_prefill_amx.h)
   std::vector<float> o, m, l;
   std::vector<const T*> qrows, krows, vrows;
   std::vector<int64_t> qpos;
@@ -200,6 +203,8 @@ void row_tile(const Args<T>& a, Work<T>& w, int64_t r0, int64_t k0, int64_t nk) 
   }
 }
 
+#include "cpu_prefill_amx.h"
+
 template <typename T>
 void run_task(const Args<T>& a, const Task& t, Work<T>& w) {
   const int64_t G = a.G, D = a.D, rows = (t.t1 - t.t0) * G;
@@ -213,6 +218,13 @@ void run_task(const Args<T>& a, const Task& t, Work<T>& w) {
   std::fill_n(w.m.begin(), rows, -std::numeric_limits<float>::infinity());
   std::fill_n(w.l.begin(), rows, 0.f);
   const int32_t* table = a.tables + t.req * a.bt;
+  [[maybe_unused]] bool amx = false;
+#ifdef PAGEDQ_AMX
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    amx = prefill_amx(D);
+    if (amx) gather_queries(w, rows, D);
+  }
+#endif
   for (int64_t k0 = t.lo; k0 < t.hi; k0 += kKeys) {
     const int64_t nk = std::min(kKeys, t.hi - k0);
     for (int64_t j = 0; j < kKeys; ++j) {
@@ -226,6 +238,14 @@ void run_task(const Args<T>& a, const Task& t, Work<T>& w) {
     }
     pack_k(w.krows.data(), D / Dot<T>::kPerStep, w.kp.data());
     pack_v(w.vrows.data(), D, w.vp.data());
+#ifdef PAGEDQ_AMX
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (amx) {
+        amx_block(a, w, rows, k0, nk);
+        continue;
+      }
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       if (w.qpos[std::min(r0 + kTileRows, rows) - 1] < k0) continue;  // sees none of these keys
       if (a.window > 0 && w.qpos[r0] - a.window >= k0 + nk - 1) continue;  // all of them left the window

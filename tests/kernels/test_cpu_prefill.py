@@ -141,3 +141,36 @@ def test_the_switch_sends_prefills_to_the_reference(monkeypatch):
     calls.clear()
     got = cpu.paged_attention_cpu(case.query, case.k_cache, case.v_cache, case.fresh_meta(), scale=case.scale)
     assert (not calls) == _built(torch.float32) and rel_err(got, dense_attention(case)) < 1e-5
+
+
+AMX = {"amx_tile", "amx_bf16"} <= cpu.cpu_flags() and "-mavx512bf16" in cpu._compile_flags()
+
+
+@pytest.mark.skipif(not AMX or not _built(torch.bfloat16), reason="no AMX tiles on this CPU")
+def test_bf16_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp_path):
+    """The same prefill with PAGEDQ_CPU_AMX=0 (the vector path, in a child process) sums in another order: some
+    outputs differ in their last bits, both within the tolerance of dense attention."""
+    import os
+    import subprocess
+    import sys
+
+    case = make_case([300, 146], [200, 146], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                     dtype=torch.bfloat16, num_decodes=0)  # fmt: skip
+    m = case.meta
+    args = (case.query, case.k_cache, case.v_cache, m.block_tables, m.query_start_loc, m.seq_lens, case.scale)
+    torch.save(args, tmp_path / "in.pt")
+    script = (
+        "import sys, torch; from pagedq_kernels import cpu; q, k, v, bt, qs, sl, sc = torch.load(sys.argv[1]); "
+        "out = torch.empty_like(q); cpu.extension().paged_prefill(q, k, v, bt, qs, sl, out, sc, 0); "
+        "torch.save(out, sys.argv[2])"
+    )
+    env = {**os.environ, "PAGEDQ_CPU_AMX": "0"}
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env, check=True
+    )
+    vector = torch.load(tmp_path / "out.pt")
+    tiles = torch.empty_like(case.query)
+    _prefill(case, tiles)
+    want = dense_attention(case)
+    assert not torch.equal(tiles, vector)
+    assert rel_err(tiles, want) < TOL[torch.bfloat16] and rel_err(vector, want) < TOL[torch.bfloat16]
