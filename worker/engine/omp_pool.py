@@ -18,28 +18,33 @@ from pathlib import Path
 _OMP_PAUSE_SOFT = 1
 
 
-def _loaded_libgomp() -> str | None:
-    """Path of the libgomp this process has loaded (torch's own copy), if any."""
+def loaded_libgomps() -> list[str]:
+    """Paths of every libgomp this process has mapped, in /proc/self/maps order. torch's own copy is one;
+    a wheel that bundles another (sentencepiece does: `sentencepiece.libs/libgomp-*.so`) adds a second
+    runtime with pools of its own, and it may come first."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
+        return []
+    paths: list[str] = []
     for line in maps.splitlines():
         fields = line.split()
-        if fields and "libgomp" in Path(fields[-1]).name:
-            return fields[-1]
-    return None
+        if fields and "libgomp" in Path(fields[-1]).name and fields[-1] not in paths:
+            paths.append(fields[-1])
+    return paths
 
 
 def release_calling_thread_pool() -> bool:
-    """Free the OpenMP helper threads of the calling thread (they exit; a later parallel region on this
-    thread would start a new pool). False where there is no libgomp or it predates OpenMP 5.0."""
-    path = _loaded_libgomp()
-    if path is None:
-        return False
-    try:
-        pause = ctypes.CDLL(path).omp_pause_resource_all
-    except (OSError, AttributeError):
-        return False
-    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-    return pause(_OMP_PAUSE_SOFT) == 0
+    """Free the OpenMP helper threads of the calling thread in every libgomp loaded (they exit; a later
+    parallel region on this thread would start a new pool). Releasing only the first copy found left
+    torch's pool alive once sentencepiece's copy was mapped before it, and served steps ran 50% slower
+    (ops/bench/RESULTS.md). False where there is no libgomp or none has OpenMP 5.0's pause."""
+    released = False
+    for path in loaded_libgomps():
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        released = pause(_OMP_PAUSE_SOFT) == 0 or released
+    return released
