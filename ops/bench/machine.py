@@ -1,4 +1,4 @@
-"""The machine a benchmark ran on: CPU, cores, native bf16, library versions, load."""
+"""The machine a benchmark ran on: CPU, cores, its vector and matrix units, library versions, load."""
 
 from __future__ import annotations
 
@@ -27,6 +27,19 @@ def _native_bf16() -> bool | None:
     return native_bf16()
 
 
+# The CPU features that decide which kernels run (pagedq_kernels/cpu.py): a result without them cannot say why
+# two machines of the same model name ran at different speeds (AMX tiles, say).
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_features() -> list[str] | None:
+    try:
+        from pagedq_kernels.cpu import cpu_flags
+    except ImportError:
+        return None
+    return [f for f in SIMD_FLAGS if f in cpu_flags()]
+
+
 def machine_info(threads: int | None = None, device: str = "cpu") -> dict:
     info: dict[str, Any] = {
         "cpu": cpu_model(),
@@ -36,6 +49,7 @@ def machine_info(threads: int | None = None, device: str = "cpu") -> dict:
         "platform": platform.platform(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu_bf16": _native_bf16(),
+        "cpu_features": cpu_features(),
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
     try:

@@ -263,7 +263,8 @@ def write_summary(out_dir: str | Path | None = None, command: str | None = None)
         "# pagedq benchmarks",
         "",
         f"- Machine: {m.get('cpu')}, {m.get('cores')} cores{', GPU ' + m['gpu'] if m.get('gpu') else ''}"
-        f"{'' if m.get('cpu_bf16') is None else (', native bf16' if m['cpu_bf16'] else ', no native bf16')}; "
+        f"{'' if m.get('cpu_bf16') is None else (', native bf16' if m['cpu_bf16'] else ', no native bf16')}"
+        f"{' (' + ', '.join(m['cpu_features']) + ')' if m.get('cpu_features') else ''}; "
         f"torch {m.get('torch')}, transformers {m.get('transformers')}, Python {m.get('python')}",
         f"- Date: {', '.join(d for d in dates if d)}",
         f"- Command: {'; '.join(f'`{c}`' for c in commands) or '`' + (command or '?') + '`'}",

@@ -20,6 +20,7 @@ import redis
 
 from ops.bench import cli
 from ops.bench.common import REPO, child_env
+from ops.bench.machine import SIMD_FLAGS
 from ops.bench.offline import agreement
 from ops.bench.workloads import (
     SYSTEM_PROMPT_TOKENS,
@@ -29,6 +30,7 @@ from ops.bench.workloads import (
     mean_context,
     poisson_arrivals,
 )
+from pagedq_kernels.cpu import cpu_flags
 from producer_sdk import Client
 from producer_sdk.contract import keys
 from producer_sdk.contract.keys import EVENT_FIELD
@@ -115,6 +117,7 @@ def test_offline_tiny_fp32_agrees_with_transformers(llama_dir, tmp_path, capsys)
     summary = (out / "latest" / "summary.md").read_text()
     assert "## Offline throughput" in summary and "fp32: greedy outputs identical" in summary
     assert "Memory streams at" in summary and "share of the roofline bound" in summary
+    assert res["machine"]["cpu_features"] == [f for f in SIMD_FLAGS if f in cpu_flags()]
     assert (out / "latest" / "throughput.png").exists()
     assert "# pagedq benchmarks" in capsys.readouterr().out
 
