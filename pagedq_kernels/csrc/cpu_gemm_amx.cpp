@@ -15,8 +15,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "cpu_amx.h"
 #include "cpu_avx512.h"

@@ -27,53 +27,43 @@ inline void gather_queries(Work<at::BFloat16>& w, int64_t rows, int64_t D) {
   std::fill(w.qc.begin() + rows * D, w.qc.begin() + padded * D, at::BFloat16(0));
 }
 
-// Scores of 16 query rows (from q, D apart) against the packed block: s [16][64] fp32.
-inline void amx_scores(const at::BFloat16* q, const at::BFloat16* kp, int64_t D, float* s) {
-  const int64_t words = D / 2;  // per panel: `words` rows of 16 keys x 2 dims
+// out [16][64] fp32 = A x B for 16 rows of A (lda_bytes apart) and 4 packed panels of B (`panel` elements
+// apart), over `steps` steps of 32 along the sum: A's step s at a + 32 s, each panel's at + 512 s (16 rows of
+// 64 bytes: pairs of the summed dimension, 16 columns).
+inline void amx_four_panels(const at::BFloat16* a, int64_t lda_bytes, const at::BFloat16* b, int64_t panel,
+                            int64_t steps, float* out) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t d = 0; d < D; d += 32) {
-    _tile_loadd(4, q + d, D * 2);
-    const at::BFloat16* b = kp + d / 2 * 32;  // words d/2 .. d/2 + 15 of panel 0
-    _tile_loadd(5, b, 64);
+  for (int64_t s = 0; s < steps; ++s) {
+    const at::BFloat16* bs = b + 512 * s;
+    _tile_loadd(4, a + 32 * s, lda_bytes);
+    _tile_loadd(5, bs, 64);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, b + words * 32, 64);
+    _tile_loadd(6, bs + panel, 64);
     _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, b + 2 * words * 32, 64);
+    _tile_loadd(5, bs + 2 * panel, 64);
     _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, b + 3 * words * 32, 64);
+    _tile_loadd(6, bs + 3 * panel, 64);
     _tile_dpbf16ps(3, 4, 6);
   }
-  _tile_stored(0, s, 256);
-  _tile_stored(1, s + 16, 256);
-  _tile_stored(2, s + 32, 256);
-  _tile_stored(3, s + 48, 256);
+  _tile_stored(0, out, 256);
+  _tile_stored(1, out + 16, 256);
+  _tile_stored(2, out + 32, 256);
+  _tile_stored(3, out + 48, 256);
 }
 
-// P [16][64] bf16 times dims [c0, c0 + 64) of the packed V block: pv [16][64] fp32.
+// Scores of 16 query rows (from q, D apart) against the packed block: s [16][64]. pack_k's panels of 16 keys
+// hold D / 2 rows of dim pairs each.
+inline void amx_scores(const at::BFloat16* q, const at::BFloat16* kp, int64_t D, float* s) {
+  amx_four_panels(q, D * 2, kp, D * 16, D / 32, s);
+}
+
+// P [16][64] bf16 times dims [c0, c0 + 64) of the packed V block: pv [16][64]. pack_v's panels of 16 dims hold
+// kKeys / 2 rows of key pairs each.
 inline void amx_pv(const at::BFloat16* p, const at::BFloat16* vp, int64_t c0, float* pv) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t k = 0; k < kKeys; k += 32) {
-    _tile_loadd(4, p + k, kKeys * 2);
-    const at::BFloat16* b = vp + (c0 / 16 * kKeys + k) * 16;  // panel c0 / 16, pairs of keys k / 2 ..
-    _tile_loadd(5, b, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, b + kKeys * 16, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, b + 2 * kKeys * 16, 64);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, b + 3 * kKeys * 16, 64);
-    _tile_dpbf16ps(3, 4, 6);
-  }
-  _tile_stored(0, pv, 256);
-  _tile_stored(1, pv + 16, 256);
-  _tile_stored(2, pv + 32, 256);
-  _tile_stored(3, pv + 48, 256);
+  amx_four_panels(p, kKeys * 2, vp + c0 / 16 * kKeys * 16, kKeys * 16, kKeys / 32, pv);
 }
 
 // Rows [0, rows) of a task against the packed block of keys k0 .. k0 + nk - 1, 16 rows at a time.
