@@ -39,9 +39,12 @@ def pool_size(client: AsyncClient) -> int:
 
 async def test_many_streams_share_one_blocked_read(redis_url, admin):
     """40 requests streamed at once: every token arrives, in order, and never more than one of the
-    client's connections is blocked in XREAD (each reader used to block one of its own)."""
-    n, max_tokens = 40, 12
-    async with FakeWorker(redis_url, token_delay=0.002), AsyncClient(redis_url, MODEL, client_name="mux") as client:
+    client's connections is blocked in XREAD (each reader used to block one of its own). The fake
+    pauses all 40 halfway, so the shared read surely blocks (the wait asserts it) and the watch
+    samples it blocked."""
+    n, max_tokens, pause_at = 40, 12, 6
+    fake = FakeWorker(redis_url, token_delay=0.002, pause_after=pause_at)
+    async with fake, AsyncClient(redis_url, MODEL, client_name="mux") as client:
         handles = await client.submit_many([f"p{i}" for i in range(n)], max_tokens=max_tokens)
         most_blocked = 0
         done = asyncio.Event()
@@ -53,13 +56,19 @@ async def test_many_streams_share_one_blocked_read(redis_url, admin):
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.ensure_future(watch())
-        completions = await asyncio.gather(*(h.result(timeout=30) for h in handles))
+        results = asyncio.ensure_future(asyncio.gather(*(h.result(timeout=30) for h in handles)))
+        await wait_for(
+            lambda: len(fake.emitted) == n and all(v == pause_at for v in fake.emitted.values()), 10, "the pause"
+        )
+        await wait_for(lambda: blocked_of(admin, "mux") == 1, 10, "the shared read to block")
+        fake.resume.set()
+        completions = await results
         done.set()
         await watcher
         expected = "".join(f"w{i} " for i in range(max_tokens))
         assert [c.text for c in completions] == [expected] * n
         assert all(c.finish_reason == "length" for c in completions)
-        assert most_blocked == 1
+        assert most_blocked == 1  # blocked once, halfway, and never by two connections
         assert pool_size(client) <= 3  # the shared read, submits, liveness checks (not one per reader)
         # Readers answered in one round register again before the next XREAD goes out, not through
         # a wake each (a wake per round before the read yielded to them: 232 wakes in 316 rounds).
