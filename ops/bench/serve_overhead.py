@@ -4,7 +4,7 @@
     python -m ops.bench.serve_overhead ab off s1 s4 ...   # interleaved runs: offline, or served with
                                                           # --stream-interval N (sN), same workload
 
-`ab` runs the 64-request `sharegpt-like` workload (seed 0, max_tokens capped by --max-tokens) through
+`ab` runs the 64-request `sharegpt-like` workload (or --workload; seed 0, max_tokens capped by --max-tokens) through
 the offline engine in a child process (`off`; `offt` and `offt-kept` step it on a second thread, see
 OFFLINE) or through a real redis-server and `pagedq worker` with
 the SDK streaming every request (`sN`), one JSON line per run: output tok/s, ITL per event and per
@@ -187,7 +187,7 @@ def ab(args: argparse.Namespace) -> list[dict]:
     args.model_dir = resolve_model(args.model)
     info = model_info(args.model_dir)
     vocab, max_len = info["prompt_vocab"], info["max_model_len"]
-    wl = make_workload("sharegpt-like", args.requests, 0, vocab, max_len)
+    wl = make_workload(args.workload, args.requests, 0, vocab, max_len)
     wl = Workload(wl.name, wl.seed, [BenchRequest(r.prompt, min(r.max_tokens, args.max_tokens)) for r in wl.requests])
     kv = kv_blocks_for(wl, max_len)
     wl_path = Path(args.out_dir) / "serve_overhead_workload.json"
@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--workload", default="sharegpt-like", help="ab: ops/bench/workloads.py's name (random: bench's)")
     p.add_argument("--max-tokens", type=int, default=128, help="ab: cap on each request's max_tokens")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out-dir", default="/tmp")
