@@ -112,6 +112,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "tuning the chunking options; write it to its own --out",
     )
     s.add_argument(
+        "--no-offline-pairs",
+        action="store_true",
+        help="no offline run before each pagedq saturation run: the serving ratio then compares against "
+        "the offline benchmark's result (this run's, else the latest matching one)",
+    )
+    s.add_argument(
         "--llama-cpp-dir",
         type=Path,
         default=None,

@@ -12,7 +12,9 @@ Systems (each its own worker process and key namespace, same model, dtype, threa
 
 Per system: (1) saturation: the whole `random` workload submitted at once (pagedq: repeated, median);
 its requests/s is the saturation rate of the first system, and the Poisson rates are fractions of
-it, the same absolute rates for every system; (2) one run per rate with Poisson arrivals;
+it, the same absolute rates for every system; each pagedq saturation run comes right after an offline
+run of the same workload, the pair giving the serving goal's ratio (ops/bench/serve_ratio.py);
+(2) one run per rate with Poisson arrivals;
 (3) pagedq systems only: the `long-prompt` workload's short chats running together, alone and then with
 its long prompts arriving while they decode: the inter-token latency of the running short requests
 (`long_prompt_run`). `--long-prompt-only` runs (3) alone.
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from ops.bench import gateway_load, llama_server
 from ops.bench.common import kv_blocks_for, model_info
 from ops.bench.progress import Progress
-from ops.bench.results import load_latest
+from ops.bench.serve_ratio import OfflinePairs, offline_ref
 from ops.bench.serving import ReqResult, Worker, run_load, summarize, worker_engine
 from ops.bench.stats import dist, median
 from ops.bench.workloads import Workload, make_workload, poisson_arrivals, warmup_requests
@@ -119,7 +121,12 @@ def plan_units(args: argparse.Namespace) -> int:
     for s in systems_run(args):
         n += 1 + (0 if args.long_prompt_only else sat_repeats(s, args) + len(args.rates))  # start, saturation, rates
         n += 2 if s.startswith("pagedq") and args.long_requests else 0
+        n += sat_repeats(s, args) if _pairs_wanted(s, args) else 0
     return n
+
+
+def _pairs_wanted(system: str, args: argparse.Namespace) -> bool:
+    return system == "pagedq" and not args.long_prompt_only and not args.no_offline_pairs
 
 
 def run(args: argparse.Namespace, progress: Progress, context: dict | None = None) -> dict:
@@ -178,7 +185,12 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
                 def load(reqs, arrivals, sample=None, ns=ns):
                     return run_load(server.url, ns, reqs, arrivals, timeout=args.child_timeout, sample=sample)
 
-                _measure(system, entry, out, load, worker, args, progress, wl, poisson_wl)
+                pairs = OfflinePairs(args, wl, info) if _pairs_wanted(system, args) else None
+                try:
+                    _measure(system, entry, out, load, worker, args, progress, wl, poisson_wl, pairs)
+                finally:
+                    if pairs is not None:
+                        pairs.close()
                 if system.startswith("pagedq") and args.long_requests:
                     progress.start(f"serve {system}: long prompts")
                     entry["long_prompt"] = long_prompt_run(server.url, ns, long_wl, args)
@@ -188,7 +200,7 @@ def run(args: argparse.Namespace, progress: Progress, context: dict | None = Non
                 progress.write(f"[serve] {system} failed: {entry['error'].splitlines()[0]}")
             finally:
                 worker.stop()
-    out["offline_ref"] = _offline_ref(out, args, context or {})
+    out["offline_ref"] = offline_ref(out, args, context or {})
     return out
 
 
@@ -202,11 +214,19 @@ def _measure(
     progress: Progress,
     wl: Workload,
     poisson_wl: Workload,
+    pairs: OfflinePairs | None = None,
 ) -> None:
     """Saturation (repeated for pagedq, median) and the Poisson sweep of one system, into `entry`. The
-    first system measured sets the saturation rate the sweep's fractions are of."""
-    sat_runs = []
+    first system measured sets the saturation rate the sweep's fractions are of. With `pairs`, an
+    offline run of the same workload right before each saturation run."""
+    sat_runs, offline_pairs = [], []
     for rep in range(sat_repeats(system, args)):
+        if pairs is not None:
+            progress.start(f"serve {system}: offline pair {rep + 1}")
+            pair = pairs.run(sampled.proc.pid if sampled and sampled.proc else None)
+            offline_pairs.append(pair)
+            note = f"offline {pair['out_tok_s']:.1f} tok/s" if "out_tok_s" in pair else "offline failed"
+            progress.done(note=note)
         progress.start(f"serve {system}: saturation {rep + 1}")
         sample = sampled if system.startswith("pagedq") and rep == 0 else None
         res, _, samples = load(wl.requests, [0.0] * len(wl), sample)
@@ -221,6 +241,8 @@ def _measure(
         "total_tok_s": median(s["total_tok_s"] for s in sat_runs),
         "req_s": median(s["req_s"] for s in sat_runs),
     }
+    if pairs is not None:
+        entry["saturation"]["offline_pairs"] = offline_pairs
     if out.get("saturation_rate_req_s") is None:
         out["saturation_rate_req_s"] = entry["saturation"]["req_s"]
     sat_rate = out["saturation_rate_req_s"]
@@ -266,26 +288,3 @@ def _llama_system(
         progress.write(f"[serve] llama-server failed: {entry['error'].splitlines()[0]}")
     finally:
         srv.stop()
-
-
-def _offline_ref(out: dict, args: argparse.Namespace, context: dict) -> dict:
-    """pagedq's offline throughput on the same workload (this run's, else the latest matching one)."""
-    off = context.get("offline") or load_latest(args.out).get("offline")
-    same = (
-        off
-        and off.get("workload") == out["workload"]
-        and off.get("dtype") == args.dtype
-        and off.get("threads") == args.threads
-        and off.get("model", {}).get("folder") == out["model"]["folder"]
-    )
-    pq = out["systems"].get("pagedq", {}).get("saturation")
-    if not same or not pq:
-        return {"available": False}
-    offline_rate = off["systems"].get("pagedq", {}).get("out_tok_s")
-    return {
-        "available": bool(offline_rate),
-        "from_this_run": "offline" in context,
-        "offline_out_tok_s": offline_rate,
-        "serve_out_tok_s": pq["out_tok_s"],
-        "ratio": pq["out_tok_s"] / offline_rate if offline_rate else math.nan,
-    }

@@ -103,6 +103,14 @@ def _serve_section(srv: dict) -> list[str]:
         note = v.get("error") or (f"unavailable: {v['unavailable']}" if v.get("unavailable") else "")
         rows.append([s, fmt(sat.get("out_tok_s"), 1), fmt(sat.get("req_s"), 3), vs, note[:80]])
     lines += ["", *table(["system", "output tok/s at saturation", "req/s", "vs pagedq offline", ""], rows), ""]
+    if ref.get("method") == "pairs":
+        shown = ", ".join(
+            f"{pct(p['ratio'])} ({fmt(p['serve_out_tok_s'], 1)} / {fmt(p['offline_out_tok_s'], 1)})"
+            for p in ref["pairs"]
+        )
+        lines += [f"pagedq vs offline, median of runs paired with an offline run just before: {shown}.", ""]
+    elif ref.get("available"):
+        lines += [f"pagedq vs offline: against {ref['method']} ({fmt(ref['offline_out_tok_s'], 1)} tok/s).", ""]
     llama = srv.get("systems", {}).get("llama-server", {})
     if llama.get("server_cmd"):
         lines += [
