@@ -108,22 +108,28 @@ def test_another_thread_reads_snapshots_while_the_engine_steps(engine):
     for i in range(4):
         engine.add_request(f"t{i}", prompt=f"thread {i}", params=SamplingParams(temperature=0, max_tokens=12))
     seen = []
-    stop = threading.Event()
+    stop, reading = threading.Event(), threading.Event()
 
     def read() -> None:
         # A read every millisecond: a reader spinning on the GIL made each of the engine's torch ops wait
-        # for a switch interval (the test took 36 s).
-        while not stop.wait(0.001):
+        # for a switch interval (the test took 36 s). The first read comes before the engine steps
+        # (`reading`): a tiny model can drain before a reader's first millisecond is up.
+        while True:
             seen.append(engine.snapshot())
+            reading.set()
+            if stop.wait(0.001):
+                return
 
     reader = threading.Thread(target=read)
     reader.start()
     try:
+        assert reading.wait(30)
         drain(engine)
     finally:
         stop.set()
         reader.join()
-    assert seen
+    seen.append(engine.snapshot())
+    assert seen[-1].steps > seen[0].steps  # the first read came before the steps, the last after them
     for a, b in itertools.pairwise(seen):
         assert b.ts >= a.ts and b.steps >= a.steps and b.generation_tokens >= a.generation_tokens
     assert engine.snapshot().unfinished == 0
