@@ -224,19 +224,29 @@ def plan_units(args: argparse.Namespace) -> int:
     return args.repeats * (1 + len(args.systems)) + sweep
 
 
-def run(args: argparse.Namespace, progress: Progress) -> dict:
-    model_dir = str(args.model_dir)
-    info = model_info(model_dir)
-    wl = make_workload(args.workload, args.requests, args.seed, info["prompt_vocab"], info["max_model_len"])
-    kv_blocks = kv_blocks_for(wl, info["max_model_len"])
-    base = {
-        "model": model_dir,
+def child_base(args: argparse.Namespace, info: dict) -> dict:
+    """What every measured child process gets: model, dtype, device, threads, prompt vocabulary."""
+    return {
+        "model": str(args.model_dir),
         "dtype": args.dtype,
         "device": args.device,
         "threads": args.threads,
         "vocab_size": info["prompt_vocab"],
     }
-    engine = {"num_kv_blocks": kv_blocks, **args.engine}
+
+
+def pagedq_engine(args: argparse.Namespace, kv_blocks: int) -> dict:
+    """The offline pagedq's engine options: a KV cache of `kv_blocks`, then --engine-arg."""
+    return {"num_kv_blocks": kv_blocks, **args.engine}
+
+
+def run(args: argparse.Namespace, progress: Progress) -> dict:
+    model_dir = str(args.model_dir)
+    info = model_info(model_dir)
+    wl = make_workload(args.workload, args.requests, args.seed, info["prompt_vocab"], info["max_model_len"])
+    kv_blocks = kv_blocks_for(wl, info["max_model_len"])
+    base = child_base(args, info)
+    engine = pagedq_engine(args, kv_blocks)
     single_idx = single_indices(len(wl), args.single_requests)
     runs: dict[str, list[dict]] = {s: [] for s in ("matmul", *args.systems)}
     errors: dict[str, str] = {}

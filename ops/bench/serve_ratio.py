@@ -6,9 +6,10 @@ minutes of the machine; the ratio quoted is the median of the pairs' ratios. Quo
 benchmark's median against the serving one's compared runs 10 to 25 minutes apart, and the machine's
 drift over that time moved the ratio by several points (ops/bench/RESULTS.md, 2026-12-04).
 
-The served worker is up and idle during its pair's offline run; the CPU it used meanwhile is recorded
-with the pair (`idle_worker_cpu_s`). Without pairs (`--no-offline-pairs`), the ratio falls back to the
-offline benchmark's result of this run, or its latest matching one.
+The served worker is up and idle during its pair's offline run (the whole child process, model loading
+included); the CPU it used meanwhile is recorded with the pair (`idle_worker_cpu_s`). Without pairs
+(`--no-offline-pairs`), the ratio falls back to the offline benchmark's result of this run, or its latest
+matching one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from ops.bench.common import kv_blocks_for, run_child
+from ops.bench.offline import child_base, pagedq_engine
 from ops.bench.results import load_latest
 from ops.bench.stats import median
 from ops.bench.workloads import Workload
@@ -44,14 +46,10 @@ class OfflinePairs:
         tmp = Path(self._tmp.name)
         self.tmp, self.timeout = tmp, args.child_timeout
         self.spec = {
-            "model": str(args.model_dir),
-            "dtype": args.dtype,
-            "device": args.device,
-            "threads": args.threads,
-            "vocab_size": info["prompt_vocab"],
+            **child_base(args, info),
             "system": "pagedq",
             "workload": str(wl.save(tmp / "workload.json")),
-            "engine": {"num_kv_blocks": kv_blocks_for(wl, info["max_model_len"]), **args.engine},
+            "engine": pagedq_engine(args, kv_blocks_for(wl, info["max_model_len"])),
         }
 
     def run(self, idle_worker_pid: int | None) -> dict:
@@ -79,13 +77,15 @@ def offline_ref(out: dict, args: argparse.Namespace, context: dict) -> dict:
     if not pq:
         return {"available": False}
     pairs = [
-        {"offline_out_tok_s": off["out_tok_s"], "serve_out_tok_s": run["out_tok_s"]}
+        {
+            "offline_out_tok_s": off["out_tok_s"],
+            "serve_out_tok_s": run["out_tok_s"],
+            "ratio": run["out_tok_s"] / off["out_tok_s"],
+        }
         for off, run in zip(pq.get("offline_pairs", []), pq["runs"])
-        if "out_tok_s" in off and off["out_tok_s"] > 0
+        if off.get("out_tok_s", 0) > 0
     ]
     if pairs:
-        for p in pairs:
-            p["ratio"] = p["serve_out_tok_s"] / p["offline_out_tok_s"]
         return {
             "available": True,
             "method": "pairs",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from argparse import Namespace
 
 import pytest
@@ -71,7 +72,5 @@ def test_offline_ref_skips_failed_offline_runs():
 
 
 def test_process_cpu_s_reads_proc():
-    import os
-
     assert process_cpu_s(os.getpid()) > 0
     assert math.isnan(process_cpu_s(None))
