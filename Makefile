@@ -21,7 +21,7 @@ REDIS_NEWEST_DIR := $(VENV)/redis-newest
 NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_resume.py tests/service/test_sdk_mux.py \
 	tests/service/test_sdk_submit_batch.py \
 	tests/service/test_sdk_sync.py tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py \
-	tests/unit/test_sentinel_url.py tests/service/test_sentinel_service.py
+	tests/unit/test_sentinel_url.py tests/unit/test_reply_parser.py tests/service/test_sentinel_service.py
 # The cluster pass: the contract's steps, the SDK, the worker service, tenants, traces and the OpenAI client
 # against a real local cluster (tests marked single_node are left out), and the cluster chaos rows. Not
 # repeated there, to keep `make test` under 20 minutes: fair share and --stream-interval (intake and publisher

@@ -34,6 +34,7 @@ import redis.asyncio.retry
 import redis.asyncio.sentinel
 import redis.retry
 import redis.sentinel
+import redis.utils
 from redis.backoff import NoBackoff
 
 from producer_sdk.contract.cluster import cluster_client, is_cluster_url, parse_cluster_url
@@ -208,6 +209,12 @@ def _sentinel_master(target: SentinelURL, *, asyncio: bool, options: dict[str, A
 
 
 # --- logging --------------------------------------------------------------------------------------
+
+
+def reply_parser() -> str:
+    """How redis-py parses Redis's replies here: "hiredis" (in C, when the hiredis package is installed:
+    the worker and gateway extras bring it) or "python" (redis-py's own parser, in Python: more CPU a reply)."""
+    return "hiredis" if redis.utils.HIREDIS_AVAILABLE else "python"
 
 
 def redact_url(url: str) -> str:

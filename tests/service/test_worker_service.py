@@ -273,6 +273,15 @@ def test_prometheus_metrics_are_served(redis_url, worker):
     assert not missing, missing
 
 
+def test_worker_says_how_it_parses_redis_replies(worker):
+    # the worker extra brings hiredis; a worker without it says "python" (tests/unit/test_reply_parser.py)
+    # (start() returns at the first heartbeat, a moment before the log line)
+    started = wait_until(
+        lambda: [e for e in worker.log_events() if e.get("event") == "worker started"], what="worker started"
+    )
+    assert started[0]["redis_parser"] == "hiredis"
+
+
 def test_sdk_against_a_real_worker_chat_timeout_queue_full(llama_dir, redis_url):
     from producer_sdk.errors import QueueFull, RequestTimeout
 

@@ -24,7 +24,7 @@ import time
 import redis.asyncio as aioredis
 
 from producer_sdk.contract import keys, steps
-from producer_sdk.contract.connection import connect, redact_url
+from producer_sdk.contract.connection import connect, redact_url, reply_parser
 from worker.engine.engine import LLMEngine
 from worker.service.admission import Admission
 from worker.service.cancels import Cancels
@@ -293,6 +293,7 @@ class WorkerService:
         log.info(
             "worker started",
             redis=redact_url(cfg.redis_url),
+            redis_parser=reply_parser(),
             metrics_port=self.metrics_port,
             max_num_seqs=lim.max_num_seqs,
             kv_blocks=lim.num_kv_blocks,
