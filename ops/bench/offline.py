@@ -35,7 +35,7 @@ from typing import Any
 
 from ops.bench.common import BLOCK_SIZE, child_entry, kv_blocks_for, model_info, run_child
 from ops.bench.progress import Progress
-from ops.bench.roofline import flops_per_token, measure_bandwidth, model_flops, roofline
+from ops.bench.roofline import flops_per_token, measure_bandwidth, measure_matmul, model_flops, roofline
 from ops.bench.stats import median
 from ops.bench.workloads import Workload, make_workload, mean_context, warmup_requests
 
@@ -56,50 +56,6 @@ def _peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def measure_matmul(dtype: str, device: str, n: int = 2048, reps: int = 10) -> dict:
-    """The hardware ceiling: the fastest GEMM path here on an n^3 product: `F.linear`, and on CPU
-    oneDNN with a packed weight and pagedq's own GEMM (where it is built for the dtype)."""
-    import torch
-    import torch.nn.functional as F
-
-    from ops.bench.hf_baselines import DTYPES, sync
-    from worker.models.cpu_linear import gemm_for, onednn_available
-
-    dt = DTYPES[dtype]
-    x = torch.randn(n, n, dtype=dt, device=device)
-    w = torch.randn(n, n, dtype=dt, device=device)
-    paths = {"F.linear": lambda: F.linear(x, w)}
-    if device == "cpu" and onednn_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        paths["onednn-packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    ext = gemm_for(dt) if device == "cpu" else None
-    if ext is not None:
-        ours, out = ext.pack_gemm_weight(w), torch.empty(n, n, dtype=dt)
-        paths["pagedq-gemm"] = lambda: ext.gemm_linear(x, ours, None, out)
-    per_path = {}
-    for name, fn in paths.items():
-        for _ in range(3):
-            fn()
-        sync(device)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        per_path[name] = times
-    path = min(per_path, key=lambda k: median(per_path[k]))
-    times = per_path[path]
-    return {
-        "n": n,
-        "path": path,
-        "flops": 2 * n**3 / median(times),
-        "flops_best": 2 * n**3 / min(times),
-        "flops_by_path": {k: 2 * n**3 / median(v) for k, v in per_path.items()},
-        "times_s": times,
-    }
 
 
 def _pagedq_runner(spec: dict):
