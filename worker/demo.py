@@ -86,10 +86,22 @@ async def _conversation(url: str, max_tokens: int) -> list[Run]:
         _print("".join(runs[1].text))
         _print(f"\n>>> {runs[2].label} {runs[2].question}  (same system prompt as #1)\n")
         await _stream(client, runs[2], max_tokens, True, t0)
-        stats = await client.queue_stats()
+        stats = await _stats_counting(client, len(runs))
     _print("\n")
     _summary(runs, stats)
     return runs
+
+
+async def _stats_counting(client, finished: int, timeout: float = 10.0):
+    """The queue's stats once a worker's heartbeat counts `finished` requests: heartbeats come every
+    couple of seconds, so the one read right after the last answer may not count it yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await client.queue_stats()
+        counted = max((w.requests_finished for w in stats.workers), default=0)
+        if counted >= finished or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
 
 
 def _summary(runs: list[Run], stats) -> None:
