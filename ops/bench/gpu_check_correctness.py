@@ -120,7 +120,7 @@ def recompile_check(sz: Sizes) -> dict:
     import torch
 
     import pagedq_kernels.cache_ops as cache_ops
-    from ops.bench.kernels import build_problem
+    from ops.bench.attention_problems import build_problem
     from pagedq_kernels import use_backend
     from pagedq_kernels.fused import add_rms_norm, rotary_write_kv, silu_and_mul
     from pagedq_kernels.paged_attention import paged_attention_triton

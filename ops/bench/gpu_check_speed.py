@@ -26,7 +26,7 @@ def section_throughput(sz: Sizes, work: Path, rep: Report) -> bool:
 
     import torch
 
-    from ops.bench.kernels import copy_bandwidth, timer
+    from ops.bench.attention_problems import copy_bandwidth, timer
     from pagedq_kernels import use_backend
 
     dtype = "bfloat16" if not sz.dry else "float32"
@@ -167,7 +167,8 @@ def _timed_generate(llm, prompts, n: int, sampling_params_cls, sz: Sizes) -> flo
 
 
 def section_attention(sz: Sizes, work: Path, rep: Report) -> bool:
-    from ops.bench.kernels import copy_bandwidth, time_decode, timer
+    from ops.bench.attention_problems import copy_bandwidth, timer
+    from ops.bench.kernels import time_decode
 
     bench = timer(sz.device) if not sz.dry else time_once
     copy_bw = copy_bandwidth(sz.device, sz.copy_bytes, bench)
