@@ -39,6 +39,7 @@ from producer_sdk.gateway.streams import Clock, EventStream, Reading, sse_frames
 from producer_sdk.validation import trace_context_problems
 
 log = logging.getLogger("pagedq.gateway")
+REQUEST_ID_HEADER = "pagedq-request-id"  # on every answer about a request that has an id, errors included
 REDIS_SOCKET_TIMEOUT_S = 30.0  # above the SDK's XREAD BLOCK slices
 # A waiting stream rechecks that its request still exists after each idle XREAD BLOCK of this long:
 # longer than the SDK's 2 s, so a gateway holding thousands of idle streams stays quiet.
@@ -146,6 +147,7 @@ class Gateway:
         headers = request.headers
         idem = headers.get("idempotency-key")
         rid = records.request_id_for(idem or headers.get("x-request-id"), caller.tenant)
+        request.state.request_id = rid  # from here on, an error answer names the request too
         resumable_header = headers.get("pagedq-resumable", "").lower()
         # A client that sends an Idempotency-Key means to retry after a network error: its request
         # must outlive the connection (unless it says otherwise).
@@ -192,7 +194,7 @@ class Gateway:
                 created = earlier.created
         renderer = Renderer(kind, rid, m.model, created, include_usage=m.include_usage)
         cancel = None if resumable else self._canceller(client, rid)
-        reply_headers = {"pagedq-request-id": rid}
+        reply_headers = {REQUEST_ID_HEADER: rid}
         if m.stream:
             frames = sse_frames(Reading(handle), renderer, n=n, on_first_token=clock.first_byte, api_error=api_error)
             return EventStream(frames, metrics=self.metrics, on_disconnect=cancel, headers=reply_headers)
@@ -234,6 +236,7 @@ class Gateway:
             record = records.decode(await self.redis.get(keys.gateway_record(rid)))
         if record is None or record.kind != kind or (self.keys is not None and record.tenant != caller.tenant):
             raise errors.not_found(f"No {kind} completion with id {given!r} (or it expired).")
+        request.state.request_id = rid
         stream = request.query_params.get("stream", "false").lower() == "true"
         renderer = Renderer(kind, rid, record.model, record.created, include_usage=record.include_usage)
         handle = self.client(record.model).handle(rid)
@@ -241,11 +244,11 @@ class Gateway:
             after = self._last_event_id(request)
             frames = sse_frames(Reading(handle), renderer, n=record.n, after=after, on_first_token=clock.first_byte)
             # A reader leaving never cancels: the request belongs to whoever POSTed it.
-            return EventStream(frames, metrics=self.metrics, headers={"pagedq-request-id": rid})
+            return EventStream(frames, metrics=self.metrics, headers={REQUEST_ID_HEADER: rid})
         ok, done = await until_done_or_gone(Reading(handle).result(), request.receive)
         if not ok:
             return Response(status_code=499)
-        return self._whole(renderer, done, clock, {"pagedq-request-id": rid})
+        return self._whole(renderer, done, clock, {REQUEST_ID_HEADER: rid})
 
     @staticmethod
     def _last_event_id(request: Request) -> int:
@@ -316,11 +319,15 @@ def _guarded(handler):
         try:
             return await handler(request)
         except errors.ApiError as e:
-            return error_response(e)
+            error = e
         except PagedqError as e:
-            return error_response(errors.from_sdk(e))
+            error = errors.from_sdk(e)
         except REDIS_ERRORS as e:
-            return error_response(errors.redis_unavailable(e))
+            error = errors.redis_unavailable(e)
+        rid = getattr(request.state, "request_id", None)  # set once the request has its id
+        if rid is not None:
+            error.headers.setdefault(REQUEST_ID_HEADER, rid)
+        return error_response(error)
 
     return endpoint
 
