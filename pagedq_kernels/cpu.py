@@ -10,9 +10,10 @@ a thread done with its share takes over the rest of a thread that lost its core 
 Decode is where a CPU engine spends its attention time, and it is bound by memory bandwidth: the
 reference gathers each request's K/V rows into a buffer before two matmuls, which moves the cache
 three times; the C++ kernel reads it once, straight from the blocks. It is compiled once with
-torch's extension loader (g++ and ninja, under a minute, cached under ~/.cache/torch_extensions)
-and used only when the build works: otherwise, or with PAGEDQ_CPU_KERNEL=0, everything goes to the
-reference (and the model takes its plain, unfused path). Prefill chunks go through the C++ prefill
+torch's extension loader (g++ and ninja, one to a few minutes, cached under TORCH_EXTENSIONS_DIR,
+~/.cache/torch_extensions by default; `python -m pagedq_kernels.build` builds it ahead of time, as the image
+does) and used only when the build works: otherwise (no compiler, a file missing), or with
+PAGEDQ_CPU_KERNEL=0, everything goes to the reference (and the model takes its plain, unfused path), with one warning. Prefill chunks go through the C++ prefill
 kernel (csrc/cpu_prefill.cpp, AVX-512, fp32 and bf16) where it is built, else the torch reference.
 The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
 with bf16 dot products where avx512_bf16 is (and the bf16 GEMM on AMX tiles where amx_bf16 is,
@@ -29,6 +30,7 @@ import os
 import platform
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -77,18 +79,36 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags())
 
 
-def _compile_flags() -> list[str]:
+def _compile_flags(features: frozenset[str] | None = None, machine: str | None = None) -> list[str]:
+    """g++ flags for a CPU with these feature flags (default: this CPU's)."""
+    features = cpu_flags() if features is None else features
+    machine = machine or platform.machine()
     flags = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA where torch multiplies, then adds
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_flags():
+    if machine in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= features:
         flags += ["-mavx2", "-mfma", "-mf16c"]
         wide = os.environ.get("PAGEDQ_CPU_AVX512", "1") != "0"  # 0: the AVX2 build (an A/B switch), no GEMM
-        if wide and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= cpu_flags():
+        if wide and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= features:
             flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
-            if "avx512_bf16" in cpu_flags():
+            if "avx512_bf16" in features:
                 flags.append("-mavx512bf16")
-                if {"amx_tile", "amx_bf16"} <= cpu_flags():  # the bf16 GEMM on AMX tiles
+                if {"amx_tile", "amx_bf16"} <= features:  # the bf16 GEMM on AMX tiles
                     flags += ["-mamx-tile", "-mamx-bf16"]
     return flags
+
+
+def build_name(flags: list[str]) -> str:
+    """The extension's module name: a hash of the sources, the flags and torch's version, so a changed
+    kernel, another CPU or another torch never loads a stale build."""
+    text = "".join(source.read_text() for source in SOURCES + HEADERS)
+    tag = hashlib.sha1((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    return f"pagedq_cpu_decode_{tag}"
+
+
+def build_path(name: str) -> Path:
+    """Where the built library of `name` lives: torch's extension cache (TORCH_EXTENSIONS_DIR)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
 
 
 def extension():
@@ -104,18 +124,19 @@ def extension():
 def _build():
     if os.environ.get("PAGEDQ_CPU_KERNEL", "1") == "0":
         return False
-    flags = _compile_flags()
-    text = "".join(source.read_text() for source in SOURCES + HEADERS)
-    tag = hashlib.sha1((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
-    name = f"pagedq_cpu_decode_{tag}"
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        cached = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-        if not cached.exists():
+    try:  # a missing source or header, no compiler, no ninja, an odd platform: the reference still works
+        flags = _compile_flags()
+        name = build_name(flags)
+        cached = build_path(name)
+        t0 = time.monotonic()
+        compiled = not cached.exists()
+        if compiled:
             _compile_into(cached, name, flags)
-        return _import(name, cached)
-    except Exception as e:  # no compiler, no ninja, an odd platform: the reference still works
+        module = _import(name, cached)
+        how = f"compiled in {time.monotonic() - t0:.0f}s" if compiled else "prebuilt"
+        _log.info("C++ CPU kernels in use (%s, %s, %s)", name, how, " ".join(f for f in flags if f.startswith("-m")))
+        return module
+    except Exception as e:
         _log.warning("C++ CPU kernels unavailable (%s); using the torch reference", e)
         return False
 
