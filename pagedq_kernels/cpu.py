@@ -13,8 +13,9 @@ three times; the C++ kernel reads it once, straight from the blocks. It is compi
 torch's extension loader (g++ and ninja, one to a few minutes, cached under TORCH_EXTENSIONS_DIR,
 ~/.cache/torch_extensions by default; `python -m pagedq_kernels.build` builds it ahead of time, as the image
 does) and used only when the build works: otherwise (no compiler, a file missing), or with
-PAGEDQ_CPU_KERNEL=0, everything goes to the reference (and the model takes its plain, unfused path), with one warning. Prefill chunks go through the C++ prefill
-kernel (csrc/cpu_prefill.cpp, AVX-512, fp32 and bf16) where it is built, else the torch reference.
+PAGEDQ_CPU_KERNEL=0, everything goes to the reference (and the model takes its plain, unfused path),
+with one warning. Prefill chunks go through the C++ prefill kernel (csrc/cpu_prefill.cpp, AVX-512, fp32
+and bf16) where it is built, else the torch reference.
 The build targets what this CPU has (its /proc/cpuinfo flags): AVX-512,
 with bf16 dot products where avx512_bf16 is (and the bf16 GEMM on AMX tiles where amx_bf16 is,
 csrc/cpu_gemm_amx.cpp), else AVX2; PAGEDQ_CPU_AVX512=0 builds the AVX2 one
