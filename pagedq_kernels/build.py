@@ -5,6 +5,9 @@ folder, TORCH_EXTENSIONS_DIR). An image built once and run on many machines buil
 here instead, so no worker compiles at start, whatever CPU it lands on: each variant's module name
 hashes its compiler flags, and a worker loads the one its CPU's flags select.
 Exits non-zero when a build fails, so an image build stops rather than ship the torch reference.
+Each variant compiles for minutes on two cores (about 5 on a busy 2-core machine): an image built on the
+host that runs it (`docker compose up --build`) needs only the native one; `--all-isas` is for images
+pushed to a registry and run on other CPUs.
 """
 
 from __future__ import annotations
