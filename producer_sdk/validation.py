@@ -69,20 +69,21 @@ def _finite(x: float) -> bool:
 
 def sampling_problems(s: Any, lim: Limits):
     """Yield (field, problem) for each broken rule of `s`: the one rule set of sampling parameters,
-    applied to the wire struct and to the engine's `SamplingParams` alike (any object with these fields)."""
+    applied to the wire struct and to the engine's `SamplingParams` alike (any object with these fields).
+    None in temperature, top_p, top_k, min_p, repetition_penalty is "unset": the model's default."""
     if not 1 <= s.n <= lim.max_n:
         yield "n", f"must be in [1, {lim.max_n}]"
     if s.max_tokens is not None and not 1 <= s.max_tokens <= lim.max_tokens:
         yield "max_tokens", f"must be in [1, {lim.max_tokens}] or None"
     if not 0 <= s.min_tokens <= (s.max_tokens if s.max_tokens is not None else lim.max_tokens):
         yield "min_tokens", "must be in [0, max_tokens]"
-    if not (_finite(s.temperature) and s.temperature >= 0):
+    if s.temperature is not None and not (_finite(s.temperature) and s.temperature >= 0):
         yield "temperature", "must be a finite number >= 0"
-    if not (_finite(s.top_p) and 0 < s.top_p <= 1):
+    if s.top_p is not None and not (_finite(s.top_p) and 0 < s.top_p <= 1):
         yield "top_p", "must be in (0, 1]"
-    if not (s.top_k >= 0 or s.top_k == -1):
+    if s.top_k is not None and not (s.top_k >= 0 or s.top_k == -1):
         yield "top_k", "must be >= 0 (or -1: off)"
-    if not (_finite(s.min_p) and 0 <= s.min_p <= 1):
+    if s.min_p is not None and not (_finite(s.min_p) and 0 <= s.min_p <= 1):
         yield "min_p", "must be in [0, 1]"
     if s.seed is not None and not -(1 << 63) <= s.seed < (1 << 64):
         yield "seed", "must fit in 64 bits"
@@ -94,7 +95,7 @@ def sampling_problems(s: Any, lim: Limits):
         yield "stop_token_ids", f"at most {lim.max_stop_token_ids} ids"
     elif not all(0 <= t < lim.token_id_bound for t in s.stop_token_ids):
         yield "stop_token_ids", f"token ids must be in [0, {lim.token_id_bound})"
-    if not (_finite(s.repetition_penalty) and s.repetition_penalty > 0):
+    if s.repetition_penalty is not None and not (_finite(s.repetition_penalty) and s.repetition_penalty > 0):
         yield "repetition_penalty", "must be > 0"
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(s, name)

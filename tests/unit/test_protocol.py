@@ -123,7 +123,9 @@ def test_defaults_are_not_on_the_wire_but_the_version_is():
 
 def test_sampling_defaults_follow_vllm_except_max_tokens():
     s = SamplingParams()
-    assert (s.n, s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (1, 256, 1.0, 1.0, 0, 0.0)
+    assert (s.n, s.max_tokens, s.presence_penalty, s.frequency_penalty) == (1, 256, 0.0, 0.0)
+    # unset: the worker applies the model's generation defaults, else vLLM's values
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (None,) * 5
     assert (s.stop, s.stop_token_ids, s.logprobs, s.seed) == ([], [], None, None)
     assert s.skip_special_tokens and not s.include_stop_str_in_output and not s.ignore_eos
 
@@ -201,7 +203,7 @@ def test_not_bytes():
     ("payload", "field", "words"),
     [
         ([1, 2], None, "expected `object`, got `array`"),
-        (raw(sampling={"temperature": "hot"}), "sampling.temperature", "expected `float`, got `str`"),
+        (raw(sampling={"temperature": "hot"}), "sampling.temperature", "expected `float | null`, got `str`"),
         (raw(sampling={"n": True}), "sampling.n", "expected `int`, got `bool`"),
         (raw(prompt=5), "prompt", "expected `str | null`, got `int`"),
         (raw(request_id=None), "request_id", "missing required field"),

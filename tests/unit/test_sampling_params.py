@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from producer_sdk import protocol, validation
-from worker.engine.sampling_params import SamplingParams, SamplingParamsError
+from worker.engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, SamplingParamsError
 
 ENGINE_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
@@ -18,11 +18,15 @@ def test_the_engine_has_exactly_the_wire_fields_in_the_same_order():
     assert list(protocol.SAMPLING_FIELDS) == ENGINE_FIELDS
 
 
-def test_defaults_agree_except_max_tokens():
+def test_defaults_agree_except_max_tokens_and_what_the_model_may_set():
     engine, wire = SamplingParams(), protocol.SamplingParams()
     differ = [name for name in ENGINE_FIELDS if getattr(engine, name) != getattr(wire, name)]
-    assert differ == ["max_tokens"]
+    assert differ == ["max_tokens", *MODEL_DEFAULT_FIELDS]
     assert engine.max_tokens == 16 and wire.max_tokens == 256  # vLLM's offline default; the service's
+    # on the wire, unset (None): the model's generation defaults, else the engine's (vLLM's) values
+    assert all(getattr(wire, name) is None for name in MODEL_DEFAULT_FIELDS)
+    resolved = SamplingParams.from_wire(wire).with_defaults({})
+    assert all(getattr(resolved, name) == getattr(engine, name) for name in MODEL_DEFAULT_FIELDS)
 
 
 WIRE = protocol.SamplingParams(

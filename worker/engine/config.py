@@ -75,6 +75,12 @@ class EngineConfig:
     grammar_compile_timeout: float = _opt(
         10.0, "seconds a structured-output grammar may take to compile before its request fails"
     )
+    generation_config: str = _opt(
+        "auto",
+        "auto | vllm | FOLDER: sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for "
+        "what a request leaves unset: auto: the model folder's generation_config.json; vllm: none (vLLM's); "
+        "FOLDER: the generation_config.json there",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +125,8 @@ class EngineConfig:
             raise bad("tool_call_parser", f"choose one of {', '.join(TOOL_PARSER_NAMES)}")
         if not self.grammar_compile_timeout > 0:
             raise bad("grammar_compile_timeout", "must be > 0 seconds")
+        if not self.generation_config:
+            raise bad("generation_config", "choose auto, vllm or a folder")
 
     # --- command line ----------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ import torch
 
 from worker.engine.config import EngineConfig, SchedulerConfig
 from worker.engine.errors import PromptTooLong, RequestError, StepFailed
+from worker.engine.generation_defaults import load_generation_defaults
 from worker.engine.input_processor import InputProcessor, find_eos_token_ids
 from worker.engine.kv_cache import KVCacheManager
 from worker.engine.lifecycle import RequestLifecycle, sample_seed
@@ -120,6 +121,7 @@ class LLMEngine(RequestLifecycle):
             max_logprobs=cfg.max_logprobs,
             structured=self.structured,
             tool_parser=choose_tool_parser(cfg.tool_call_parser, self.tokenizer.chat_template),
+            generation_defaults=load_generation_defaults(cfg.generation_config, cfg.model),
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len

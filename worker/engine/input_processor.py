@@ -1,8 +1,9 @@
 """Input processing: from what a caller submits to a validated `Request` the engine can schedule.
 
-Tokenizes a prompt or renders a chat (and its tools) with the model's chat template, checks the prompt
-against the vocabulary and `max_model_len`, and the request-level limits the sampling parameters cannot
-know (`max_logprobs`, resumed samples). A constrained request (structured outputs, a forced tool call)
+Tokenizes a prompt or renders a chat (and its tools) with the model's chat template, fills the sampling
+parameters a request left unset with the model's generation defaults, checks the prompt against the
+vocabulary and `max_model_len`, and the request-level limits the sampling parameters cannot know
+(`max_logprobs`, resumed samples). A constrained request (structured outputs, a forced tool call)
 has its grammar compile started here. Runs on the caller's thread: it reads no engine state.
 """
 
@@ -52,8 +53,12 @@ class InputProcessor:
         max_logprobs: int,
         structured: StructuredOutputManager | None = None,
         tool_parser: type[ToolParser] | None = None,
+        generation_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # The model's sampling defaults (generation_defaults.load_generation_defaults): they fill what a
+        # request leaves None, before anything reads its parameters.
+        self.generation_defaults = dict(generation_defaults or {})
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -107,6 +112,7 @@ class InputProcessor:
         """A `Request` ready to queue, or `RequestError`. `request_options` go to `Request` as they are."""
         if prompt is not None and not isinstance(prompt, str):
             prompt_token_ids, prompt = list(prompt), None
+        params = params.with_defaults(self.generation_defaults)
         parser = None
         if tools and tool_choice != "none":
             parser = require_parser(self.tool_parser)

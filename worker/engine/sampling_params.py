@@ -4,11 +4,17 @@ The fields are exactly those of the wire struct `producer_sdk.protocol.SamplingP
 service turns into these with `SamplingParams.from_wire`, and both are checked by the one rule set
 `producer_sdk.validation.sampling_problems`, here with limits that only bound what the engine can run
 (the service's own limits are stricter; `max_logprobs` is the engine config's, checked at admission).
+
+The fields of `MODEL_DEFAULT_FIELDS` may be None: "the model's default". The engine fills them from the
+model's generation_config.json (`--generation-config`, `worker.engine.generation_defaults`) when it
+admits the request, and where the model sets none, with this class's own default (vLLM's neutral value).
+A wire request leaves them None unless the producer set them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -33,7 +39,11 @@ ENGINE_LIMITS = Limits(
 )
 
 
-__all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
+# What a model's generation_config.json may set (vLLM's `--generation-config auto` takes these but
+# max_new_tokens, whose place `max_tokens` already fills: the service's 256, or the model's length).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+__all__ = ["MODEL_DEFAULT_FIELDS", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
 
 
 class SamplingParamsError(ValueError):
@@ -45,15 +55,16 @@ class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    min_p: float = 0.0
+    # None in these five (MODEL_DEFAULT_FIELDS): the model's default, filled in by `with_defaults`
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = 0  # 0 or -1: off
+    min_p: float | None = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the top k
@@ -84,10 +95,23 @@ class SamplingParams:
         """The engine's parameters for a request's wire `sampling` struct, field for field."""
         return cls(**msgspec.structs.asdict(wire))
 
+    def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """These parameters with every None of `MODEL_DEFAULT_FIELDS` filled: from `defaults` (the model's
+        generation defaults) where it has the field, else with this class's default. Values set stay."""
+        unset = [name for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is None]
+        if not unset:
+            return self
+        return replace(self, **{name: defaults.get(name, _NEUTRAL[name]) for name in unset})
+
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature is not None and self.temperature < _GREEDY_EPS
 
     @property
     def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.repetition_penalty not in (None, 1.0) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+
+_NEUTRAL: dict[str, Any] = {f.name: f.default for f in fields(SamplingParams) if f.name in MODEL_DEFAULT_FIELDS}
