@@ -4,8 +4,9 @@ Starts a private redis-server (AOF on, data in a temporary folder) unless `--red
 prepares the bundled SmolLM2-135M-Instruct unless `--model` is given, starts an OpenAI-compatible
 gateway process on port 8000 (`--gateway-port`, `--no-gateway`) and runs one worker in this process.
 Ctrl-C (or SIGTERM) drains the worker, stops the gateway and redis-server and removes the temporary
-folder; the model cache stays. While it runs, `~/.cache/pagedq/up.json` tells `pagedq submit` and
-`pagedq stats` where Redis is.
+folder; the model cache stays. While it runs, `~/.cache/pagedq/up.json` tells `pagedq submit`,
+`pagedq stats`, the examples and any producer that uses `producer_sdk.discovery` where Redis and the
+gateway are. A port that is taken (`--redis-port`, `--gateway-port`) is named, with the flag that changes it.
 """
 
 from __future__ import annotations
@@ -21,36 +22,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-STATE_FILE = "up.json"
-GATEWAY_START_S = 20.0
-
-
-def state_path() -> Path:
-    return Path(os.environ.get("PAGEDQ_CACHE", Path.home() / ".cache" / "pagedq")) / STATE_FILE
-
-
-def discovered_redis_url() -> str | None:
-    """The Redis URL of a running `pagedq up`, if one is running."""
-    try:
-        state = json.loads(state_path().read_text())
-    except (OSError, ValueError):
-        return None
-    pid = state.get("pid")
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, TypeError, ValueError):
-        return None
-    return state.get("redis_url")
-
-
-REDIS_URL_HELP = (
-    "redis://, rediss://, redis+sentinel:// or redis+cluster:// (default: PAGEDQ_REDIS_URL, a running "
-    "`pagedq up`, localhost)"
+# Where clients find this stack: the SDK's discovery module (no torch), re-exported for the CLI modules.
+from producer_sdk.discovery import (  # noqa: F401
+    REDIS_URL_HELP,
+    STATE_FILE,
+    default_redis_url,
+    discovered_redis_url,
+    state_path,
 )
 
-
-def default_redis_url() -> str:
-    return os.environ.get("PAGEDQ_REDIS_URL") or discovered_redis_url() or "redis://127.0.0.1:6379/0"
+GATEWAY_START_S = 20.0
 
 
 def _remove_own_state(state: Path) -> None:
@@ -75,6 +56,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="port of the OpenAI-compatible gateway on 127.0.0.1 (default 8000)",
     )
     g.add_argument("--no-gateway", action="store_true", help="start no gateway")
+
+
+_GATEWAY_PORT_HINT = "choose another with --gateway-port PORT (or PAGEDQ_GATEWAY_PORT), or start none with --no-gateway"
 
 
 def start_gateway(redis_url: str, port: int) -> subprocess.Popen:
@@ -107,6 +91,15 @@ def stop_gateway(proc: subprocess.Popen | None) -> None:
         proc.wait()
 
 
+def _example(name: str) -> str | None:
+    """The path to show for examples/`name` of the source checkout this runs from (None for a wheel)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / name
+    if not path.is_file():
+        return None
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else str(path)
+
+
 def run_up(args: argparse.Namespace) -> int:
     from worker.service.logging import configure_logging
     from worker.service.runner import run_to_exit
@@ -124,14 +117,27 @@ def run_up(args: argparse.Namespace) -> int:
         if args.redis_url:
             redis_url = args.redis_url
         else:
-            from worker.service.redis_proc import RedisProcess
+            from worker.service.redis_proc import PortInUse, RedisProcess
 
             tmp = Path(tempfile.mkdtemp(prefix="pagedq-up-"))
-            redis_proc = RedisProcess(args.redis_port, appendonly=True, data_dir=tmp / "redis").start()
+            try:
+                redis_proc = RedisProcess(args.redis_port, appendonly=True, data_dir=tmp / "redis").start()
+            except PortInUse as e:
+                say(
+                    f"error: port {e.port} is taken, so redis-server cannot start: choose another with "
+                    "--redis-port PORT, or leave --redis-port out for a free port (or use a running Redis: "
+                    "--redis-url / PAGEDQ_REDIS_URL)"
+                )
+                return 2
             redis_url = redis_proc.url
             say(f"redis-server started on {redis_url} (AOF on, data in {tmp})")
         if not getattr(args, "no_gateway", True):
-            gateway = start_gateway(redis_url, args.gateway_port)  # starts while the model loads
+            from worker.service.redis_proc import port_in_use
+
+            if port_in_use(args.gateway_port):
+                say(f"port {args.gateway_port} is taken: {_GATEWAY_PORT_HINT}; going on without a gateway")
+            else:
+                gateway = start_gateway(redis_url, args.gateway_port)  # starts while the model loads
         model = args.model
         if not model:
             from worker.models.prepare import default_dir, is_prepared, prepare
@@ -161,7 +167,10 @@ def run_up(args: argparse.Namespace) -> int:
         service = WorkerService(engine, ServiceConfig.from_cli_args(args, redis_url=redis_url))
         gateway_url = wait_gateway(gateway, args.gateway_port) if gateway is not None else None
         if gateway is not None and gateway_url is None:
-            say(f"the gateway did not start (port {args.gateway_port} taken? see above); going on without it")
+            say(
+                f"the gateway did not start on port {args.gateway_port} (see above; if the port is taken: "
+                f"{_GATEWAY_PORT_HINT}); going on without it"
+            )
             stop_gateway(gateway)
         state.parent.mkdir(parents=True, exist_ok=True)
         info = {"pid": os.getpid(), "redis_url": redis_url, "model": args.model_name, "gateway_url": gateway_url}
@@ -171,7 +180,14 @@ def run_up(args: argparse.Namespace) -> int:
         say(f"serving model name {args.model_name!r}; point producers at {redact_url(redis_url)}")
         if gateway_url:
             say(f"OpenAI-compatible gateway on {gateway_url} (model {args.model_name!r})")
+        defaults = engine.input_processor.generation_defaults
+        if defaults:
+            shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+            say(f"the model's sampling defaults (generation_config.json) fill what a request leaves unset: {shown}")
         say('try:  pagedq submit "Hello!" --chat      (Ctrl-C here stops everything)')
+        example = _example("sync_client.py")
+        if example:  # a source checkout
+            say(f"  or:  python {example}      (the examples and `pagedq submit` find this stack in {state})")
         if gateway_url:
             say(
                 f"  or:  curl {gateway_url}/chat/completions -H 'Content-Type: application/json' "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 import socket
 import subprocess
@@ -14,6 +15,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether another process listens on `host:port` (a server's old connections in TIME_WAIT do not
+    count: SO_REUSEADDR, as redis-server and uvicorn bind)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+class PortInUse(RuntimeError):
+    """A server could not listen: another process holds its port (`port`)."""
+
+    def __init__(self, port: int, what: str = "redis-server") -> None:
+        super().__init__(f"{what} cannot listen on 127.0.0.1:{port}: the port is taken by another process")
+        self.port = port
 
 
 class RedisProcess:
@@ -71,6 +92,10 @@ class RedisProcess:
         return args + self.extra_args
 
     def start(self, timeout: float = 10.0) -> RedisProcess:
+        """Start the server and wait until it answers; `PortInUse` when another process holds the port
+        (checked first: a PING would otherwise reach that process and pass for this server's)."""
+        if port_in_use(self.port):
+            raise PortInUse(self.port)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
@@ -79,6 +104,8 @@ class RedisProcess:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
                 log = self.data_dir / "redis.log"
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                if "Address already in use" in err + tail:  # taken between the check and the bind
+                    raise PortInUse(self.port)
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}{tail}")
             if self.ping():
                 return self
