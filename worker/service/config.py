@@ -8,6 +8,7 @@ from typing import Any
 
 from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_model_name
 from worker.options import add_cli_args, from_cli_args, option
+from worker.service.watchdog import STALL_ACTIONS
 
 
 @dataclass
@@ -47,7 +48,14 @@ class ServiceConfig:
     )
     wait_timeout_ms: int = option(1000, "longest WAIT for --wait-replicas, in ms")
     health_stall_s: float = option(
-        60.0, "/health fails when the engine had work but made no progress for this many seconds"
+        60.0,
+        "the engine is wedged when its loop has not come round for this many seconds (it does on every step "
+        "and every idle wait): /health answers 503, and --health-stall-action applies",
+    )
+    health_stall_action: str = option(
+        "exit",
+        "what a worker with a wedged engine does: exit (hand its requests over and exit with status 3, so "
+        "that Docker or Kubernetes restarts it) or report (only log it and fail /health)",
     )
     max_tenant_labels: int = option(
         20, 'distinct tenant label values on metrics; later tenants are counted as tenant="other"', type=int
@@ -93,6 +101,10 @@ class ServiceConfig:
             raise ValueError("--wait-replicas must be >= 0")
         if self.fair_share_window is not None and self.fair_share_window < 0:
             raise ValueError("--fair-share-window must be >= 0")
+        if self.health_stall_s <= 0:
+            raise ValueError("--health-stall-s must be positive")
+        if self.health_stall_action not in STALL_ACTIONS:
+            raise ValueError(f"--health-stall-action must be one of {', '.join(STALL_ACTIONS)}")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be at least 1")
 

@@ -3,7 +3,8 @@
 It never waits for the network: outputs go to the event loop with `call_soon_threadsafe`. A step
 that fails is reported with its requests (the service retries each alone, the poison one ends in the
 dead letters); anything else that escapes is fatal and stops the worker. `beat` is refreshed on
-every pass, idle or busy, so a wedged forward shows as a stale beat (the /health endpoint).
+every pass, idle or busy, so a wedged forward shows as a stale beat (/health, and the watchdog that
+ends a wedged worker: watchdog.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ IDLE_WAIT_S = 0.05
 # Fault injection for the chaos tests (off unless set): each step takes at least this long, so a
 # scenario can be sure requests are still mid-generation when it strikes.
 _STEP_DELAY_S = float(os.environ.get("PAGEDQ_FAULT_STEP_DELAY_S", "0") or 0)
+# Fault injection for the health tests (off unless set): after this many steps the engine thread
+# blocks for good, as a forward that never returns would.
+_WEDGE_AFTER_STEPS = int(os.environ.get("PAGEDQ_FAULT_WEDGE_AFTER_STEPS", "0") or 0)
 
 
 class EngineLoop:
@@ -63,11 +67,24 @@ class EngineLoop:
             self._thread.join(timeout=timeout)
 
     @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def stalled_s(self) -> float:
+        """Seconds since the running loop last passed through (idle or stepping). 0 once it was asked to
+        stop, so a worker shutting down on purpose never reads as wedged, and 0 once the thread ended
+        (a failure of its own, reported through `on_fatal`)."""
+        if self._stop.is_set() or (self._thread is not None and not self._thread.is_alive()):
+            return 0.0
+        return max(0.0, time.monotonic() - self.beat)
+
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         eng = self.engine
+        steps = 0
         try:
             while not self._stop.is_set():
                 self.beat = time.monotonic()
@@ -76,6 +93,9 @@ class EngineLoop:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
+                if _WEDGE_AFTER_STEPS and steps >= _WEDGE_AFTER_STEPS:
+                    threading.Event().wait()  # fault injection: wedged for good (only os._exit ends it)
+                steps += 1
                 try:
                     outputs = eng.step()
                 except StepFailed as e:

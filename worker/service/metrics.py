@@ -120,6 +120,12 @@ class WorkerMetrics:
             "pagedq_final_events_unreplicated",
             "Flushes whose final events fewer than --wait-replicas replicas confirmed in time",
         )
+        self.engine_stalled = gauge(
+            "pagedq_engine_stalled_seconds",
+            "Seconds since the engine loop last came round (it does on every step and every idle wait); "
+            "above --health-stall-s the engine is wedged",
+        )
+        self.healthy = gauge("pagedq_healthy", "1 while /health answers 200, 0 while it answers 503")
         self.queue_time = hist(
             "pagedq_request_queue_time_seconds", "Arrival (submit) to first scheduled", _LATENCY_BUCKETS
         )

@@ -9,7 +9,7 @@ collaborator is built here, in `__init__`; `run` connects, starts the named task
 Shutdown (SIGTERM/SIGINT, or a dead task): stop pulling, let in-flight work finish for up to
 `drain_timeout` (not after a failure), hand the rest over (its tokens so far are published, its
 entry released for another worker to resume at once), and exit: 0 after a requested stop, 1 after a
-failure.
+failure, 3 after a wedged engine (watchdog.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from worker.service.publisher import Publisher, PublisherHooks
 from worker.service.retry import REDIS_DOWN, Backoff
 from worker.service.supervisor import Supervisor, every
 from worker.service.tracing import make_tracer
+from worker.service.watchdog import STALL_EXIT_CODE, StallWatchdog
 
 HANDOVER_WAIT_S = 10.0
 
@@ -57,7 +58,9 @@ class WorkerService:
         self.inflight: InFlightTable = {}
         self.stopping = asyncio.Event()
         self.failed = False
+        self.stalled = False  # the watchdog found the engine wedged: exit STALL_EXIT_CODE
         self.metrics_port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task] = set()
         lim = engine.limits
         self.headroom = cfg.intake_headroom if cfg.intake_headroom is not None else max(1, lim.max_num_seqs // 8)
@@ -150,8 +153,19 @@ class WorkerService:
         self.engine_loop = EngineLoop(
             engine, self.metrics, on_outputs=self.publisher.put, on_step_failed=self._step_failed, on_fatal=self._fatal
         )
+        self.watchdog = StallWatchdog(
+            self.engine_loop.stalled_s,
+            cfg.health_stall_s,
+            cfg.health_stall_action,
+            on_stall=self._on_stall,
+            log=self.log,
+            engine_thread=lambda: self.engine_loop.thread,
+        )
         self.supervisor = Supervisor(self.log, on_failure=self._task_failed)
         self.health = HealthServer(self.metrics.render, self._health, self._ready)
+        # Read at scrape time, so /metrics tells what /health tells (and alerts can watch it).
+        self.metrics.labels(self.metrics.engine_stalled).set_function(self.engine_loop.stalled_s)
+        self.metrics.labels(self.metrics.healthy).set_function(lambda: float(self._health()[0]))
 
     # --- capacity and callbacks ---------------------------------------------------------------
 
@@ -248,12 +262,28 @@ class WorkerService:
         self.failed = True
         self.stopping.set()
 
+    def _on_stall(self, stalled_s: float) -> None:
+        """From the watchdog thread: stop as after a failure; the engine cannot finish anything now."""
+        loop = self._loop
+
+        def fail() -> None:
+            self.stalled = True
+            self._task_failed("engine", None)
+
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fail)
+
     # --- health -------------------------------------------------------------------------------
 
     def _health(self) -> tuple[bool, dict]:
-        stalled_s = round(time.monotonic() - self.engine_loop.beat, 1)
+        stalled_s = round(self.engine_loop.stalled_s(), 1)
         ok = self.engine_loop.alive and stalled_s <= self.config.health_stall_s and not self.failed
-        return ok, {"engine_alive": self.engine_loop.alive, "engine_beat_age_s": stalled_s, "failed": self.failed}
+        return ok, {
+            "engine_alive": self.engine_loop.alive,
+            "engine_beat_age_s": stalled_s,
+            "failed": self.failed,
+            "stalled": self.stalled,
+        }
 
     def _ready(self) -> tuple[bool, dict]:
         last = self.heartbeat.last_ok
@@ -271,7 +301,7 @@ class WorkerService:
 
     async def run(self, *, install_signal_handlers: bool = True) -> int:
         cfg = self.config
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
@@ -279,6 +309,7 @@ class WorkerService:
             self.metrics_port = self.health.start(cfg.metrics_port)
         # The engine loop runs before the first heartbeat: a worker that others can see is live.
         self.engine_loop.start(loop)
+        self.watchdog.start()
         await self._connect()
         sup, log = self.supervisor, self.log
         sup.start("publisher", self.publisher.run())
@@ -310,7 +341,7 @@ class WorkerService:
         if not self.failed:
             await self._drain()
         await self._hand_over()
-        self.engine_loop.stop()
+        self.engine_loop.stop(timeout=1.0 if self.stalled else 10.0)  # a wedged thread never joins
         await sup.cancel()
         for t in list(self._background):
             t.cancel()
@@ -322,8 +353,9 @@ class WorkerService:
         await self.blocking_redis.aclose()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # exports the spans still buffered
-        rc = 1 if self.failed else 0
+        rc = STALL_EXIT_CODE if self.stalled else 1 if self.failed else 0
         log.info("worker stopped", exit_code=rc)
+        self.watchdog.stop()  # its deadline covered the shutdown of a wedged worker up to here
         return rc
 
     def stop(self) -> None:
@@ -389,7 +421,8 @@ class WorkerService:
         self.wake_engine()
         deadline = time.monotonic() + HANDOVER_WAIT_S
         publishing = "publisher" in self.supervisor.tasks
-        while publishing and self.inflight and time.monotonic() < deadline and self.engine_loop.error is None:
+        engine_ok = lambda: self.engine_loop.error is None and not self.stalled  # a wedged engine aborts nothing
+        while publishing and self.inflight and time.monotonic() < deadline and engine_ok():
             await asyncio.sleep(0.02)
         try:
             if publishing:
