@@ -1,11 +1,17 @@
 """Tool calling and schema-valid JSON answers through pagedq.
 
-The worker needs a chat template that renders tools. SmolLM2's own has none: start it with the one
-pagedq ships, e.g.
+    pagedq up                            # a local stack: redis-server + SmolLM2 + one worker
+    python examples/tool_calling.py      # in another terminal: finds that stack by itself
 
-    pagedq worker --model ~/.cache/pagedq/models/SmolLM2-135M-Instruct \\
-        --chat-template worker/models/templates/hermes_tools.jinja
-    python examples/tool_calling.py --redis-url redis://localhost:6379/0
+The worker needs a chat template that renders tools. SmolLM2's own has none; `pagedq model prepare
+smollm2` (which `pagedq up` runs) gives the prepared model pagedq's Hermes template for chats with
+tools (chats without tools render with SmolLM2's own). For another model whose template renders no
+tools, start its worker with that template:
+
+    pagedq worker --model PATH --chat-template worker/models/templates/hermes_tools.jinja
+
+The Redis URL comes from --redis-url, else PAGEDQ_REDIS_URL, else the running `pagedq up`
+(`producer_sdk.discovery`), else redis://127.0.0.1:6379/0.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import json
 
 from producer_sdk import Client
+from producer_sdk.discovery import default_redis_url
 
 
 def get_weather(city: str, unit: str = "c") -> dict:
@@ -53,7 +60,9 @@ REPORT = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--redis-url", default="redis://localhost:6379/0")
+    parser.add_argument(
+        "--redis-url", default=None, help="default: PAGEDQ_REDIS_URL, a running `pagedq up`, localhost:6379"
+    )
     parser.add_argument("--model", default="default")
     args = parser.parse_args()
 
@@ -61,7 +70,7 @@ def main() -> None:
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the weather in Paris, in celsius?"},
     ]
-    with Client(args.redis_url, args.model) as client:
+    with Client(args.redis_url or default_redis_url(), args.model) as client:
         # 1. The model must call a tool: the grammar makes it write one call whose arguments are valid
         #    against the tool's parameters. The call streams as it is written.
         handle = client.submit(

@@ -5,6 +5,10 @@ The second request is sent while the first is still generating, so continuous ba
 its first token arrives long before the first request ends. The third shares the first one's
 system prompt, so its prompt is mostly served from the prefix cache.
 
+The answers are greedy. The worker applies the model's own generation_config.json to what a request
+leaves unset; where it sets no repetition penalty (SmolLM2's sets none), the demo asks for 1.1, without
+which a greedy 135M model loops ("a never-ending cycle of endless tasks, a never-ending cycle of ...").
+
     python -m worker.demo [--model DIR] [--max-tokens N]
 """
 
@@ -24,6 +28,7 @@ SYSTEM = (
     "You are a concise assistant for engineers who run LLM inference services. Answer in plain words, "
     "in at most three sentences, and prefer concrete numbers and mechanisms over general statements."
 )
+DEMO_REPETITION_PENALTY = 1.1
 QUESTIONS = [
     "What does a paged KV cache change compared to reserving memory for the longest possible answer?",
     "Write a haiku about a queue of requests waiting for a GPU.",
@@ -44,14 +49,27 @@ class Run:
     prompt_tokens: int = 0
 
 
+def demo_sampling(model_dir: str) -> dict[str, float]:
+    """The demo's sampling parameters: greedy, with DEMO_REPETITION_PENALTY unless the model's
+    generation_config.json sets a repetition penalty (the worker applies that one then)."""
+    from worker.engine.config import ConfigError
+    from worker.engine.generation_defaults import load_generation_defaults
+
+    try:
+        model_sets = "repetition_penalty" in load_generation_defaults("auto", model_dir)
+    except ConfigError:
+        model_sets = False
+    return {"temperature": 0.0} if model_sets else {"temperature": 0.0, "repetition_penalty": DEMO_REPETITION_PENALTY}
+
+
 def _print(msg: str = "") -> None:
     print(msg, flush=True)
 
 
-async def _stream(client, run: Run, max_tokens: int, echo: bool, t0: float) -> None:
+async def _stream(client, run: Run, max_tokens: int, sampling: dict, echo: bool, t0: float) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": run.question}]
     run.sent = time.monotonic() - t0
-    handle = await client.submit(messages=messages, max_tokens=max_tokens, temperature=0)
+    handle = await client.submit(messages=messages, max_tokens=max_tokens, **sampling)
     async for chunk in handle.stream(timeout=600):
         now = time.monotonic() - t0
         if run.first is None:
@@ -66,17 +84,17 @@ async def _stream(client, run: Run, max_tokens: int, echo: bool, t0: float) -> N
     run.cached, run.prompt_tokens = result.usage.cached_tokens, result.usage.prompt_tokens
 
 
-async def _conversation(url: str, max_tokens: int) -> list[Run]:
+async def _conversation(url: str, max_tokens: int, sampling: dict) -> list[Run]:
     from producer_sdk import AsyncClient
 
     runs = [Run(f"#{i + 1}", q) for i, q in enumerate(QUESTIONS)]
     t0 = time.monotonic()
     async with AsyncClient(url) as client:
         _print(f"\n>>> {runs[0].label} {runs[0].question}\n")
-        first = asyncio.create_task(_stream(client, runs[0], max_tokens, True, t0))
+        first = asyncio.create_task(_stream(client, runs[0], max_tokens, sampling, True, t0))
         while runs[0].tokens < 8 and not first.done():  # the first answer is under way ...
             await asyncio.sleep(0.05)
-        second = asyncio.create_task(_stream(client, runs[1], max_tokens, False, t0))  # ... send another
+        second = asyncio.create_task(_stream(client, runs[1], max_tokens, sampling, False, t0))  # ... send another
         await first
         await second
         _print(
@@ -85,7 +103,7 @@ async def _conversation(url: str, max_tokens: int) -> list[Run]:
         )
         _print("".join(runs[1].text))
         _print(f"\n>>> {runs[2].label} {runs[2].question}  (same system prompt as #1)\n")
-        await _stream(client, runs[2], max_tokens, True, t0)
+        await _stream(client, runs[2], max_tokens, sampling, True, t0)
         stats = await _stats_counting(client, len(runs))
     _print("\n")
     _summary(runs, stats)
@@ -120,7 +138,7 @@ def _summary(runs: list[Run], stats) -> None:
     _print(f"prefix cache: request #3 reused {runs[2].cached} of its {runs[2].prompt_tokens} prompt tokens ({hit:.0%})")
 
 
-def _through_gateway(port: int, max_tokens: int) -> None:
+def _through_gateway(port: int, max_tokens: int, sampling: dict) -> None:
     """One chat completion through the gateway, shown as the curl command that does the same."""
     import urllib.error
     import urllib.request
@@ -130,7 +148,7 @@ def _through_gateway(port: int, max_tokens: int) -> None:
         "model": "default",
         "messages": [{"role": "user", "content": QUESTIONS[2]}],
         "max_tokens": max_tokens,
-        "temperature": 0,
+        **sampling,  # repetition_penalty: one of vLLM's extra parameters, which the gateway takes too
     }
     _print("\n>>> the same through the OpenAI-compatible gateway:\n")
     _print(f"$ curl {url} -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
@@ -188,9 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     _print(f"$ pagedq up {shown}")
     up = subprocess.Popen(cmd, env={**os.environ, "PAGEDQ_LOG_LEVEL": "WARNING"})
     try:
-        _wait_for_worker(url, up)
-        asyncio.run(_conversation(url, args.max_tokens))
-        _through_gateway(gateway_port, args.max_tokens)
+        _wait_for_worker(url, up)  # `pagedq up` has prepared the bundled model by now
+        if args.model:
+            model_dir = args.model
+        else:
+            from worker.models.prepare import default_dir
+
+            model_dir = str(default_dir("smollm2"))
+        sampling = demo_sampling(model_dir)
+        asyncio.run(_conversation(url, args.max_tokens, sampling))
+        _through_gateway(gateway_port, args.max_tokens, sampling)
     finally:
         up.send_signal(signal.SIGINT)
         try:
