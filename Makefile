@@ -35,7 +35,7 @@ CLUSTER_TESTS ?= tests/service/test_contract_scripts.py tests/service/test_sdk_c
 	tests/service/test_structured_service.py::test_sigkill_mid_way_through_constrained_requests_then_resume \
 	tests/gateway/test_openai_client.py tests/unit/test_cluster_url.py tests/chaos/test_chaos_cluster.py
 
-.PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server cpu-kernels
+.PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server cpu-kernels compose-check
 
 setup: $(STAMP) redis-server cpu-kernels
 
@@ -75,6 +75,11 @@ test: setup
 
 test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu tests/kernels tests/gpu
+
+# The CPU compose stack built and run for real (ops/compose_check.py: about 15 minutes the first time; needs
+# Docker and the Compose plugin). Not part of `make test`. Results: ops/README.md, "The compose check".
+compose-check: $(STAMP)
+	$(PY) ops/compose_check.py
 
 demo: setup
 	$(PY) -m worker.demo
