@@ -684,8 +684,11 @@ async def run_producer(url: str, model: str, tenant: str, admin, start_worker) -
         assert (await client.handle(done.request_id).result(timeout=60)).token_ids == done.token_ids
         many = await client.submit_many(["a", "b"], max_tokens=2, ignore_eos=True)
         assert [len((await h.result(timeout=60)).token_ids) for h in many] == [2, 2]
+        # a minute-old heartbeat without a worker state (a worker gone): queue_stats drops it from the heartbeats
+        admin.zadd(keys.heartbeats(model), {"gone-worker": int(time.time() * 1000) - 60_000})
         stats = await client.queue_stats()
-        assert stats.model == model and stats.workers
+        assert stats.model == model and [w.worker for w in stats.workers] == ["w1"]
+        assert admin.zscore(keys.heartbeats(model), "gone-worker") is None
 
     with Client(url, model, tenant=tenant) as sync:
         assert len(sync.generate("sync", max_tokens=2, ignore_eos=True, timeout=60).token_ids) == 2
@@ -712,6 +715,7 @@ def admin(redis_url):
 
     client = connect(redis_url, asyncio=False, socket_timeout=10, decode_responses=True)
     client.execute_command("ACL", "LOG", "RESET")
+    client.script_flush()  # the producer's first submit then loads the enqueue step itself (SCRIPT LOAD)
     users_before = set(client.execute_command("ACL", "USERS"))
     yield client
     for user in set(client.execute_command("ACL", "USERS")) - users_before:
