@@ -3,6 +3,7 @@ streamed answers through Redis, the summary, one answer through the gateway, and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -36,3 +37,11 @@ def test_demo_streams_three_answers_and_one_through_the_gateway(llama_dir, tmp_p
     gateway = re.search(r"\(finish_reason (\w+); (\d+) prompt \+ (\d+) completion tokens", out)
     assert gateway and gateway[1] in ("length", "stop") and 1 <= int(gateway[3]) <= 12, out
     assert "pagedq up stopped (exit code 0)" in out
+
+
+def test_the_demo_asks_for_a_repetition_penalty_only_where_the_model_sets_none(llama_dir, tmp_path):
+    from worker.demo import DEMO_REPETITION_PENALTY, demo_sampling
+
+    assert demo_sampling(str(llama_dir)) == {"temperature": 0.0, "repetition_penalty": DEMO_REPETITION_PENALTY}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.3, "eos_token_id": 2}))
+    assert demo_sampling(str(tmp_path)) == {"temperature": 0.0}  # the worker applies the model's 1.3

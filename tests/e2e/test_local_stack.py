@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -166,3 +167,46 @@ def test_cli_help_and_errors():
     assert bad.returncode == 2 and "--model is required" in bad.stderr
     missing = _cli("worker", "--model", "/nonexistent/model", "--redis-url", "redis://127.0.0.1:1/0", env=env)
     assert missing.returncode != 0 and "does not exist" in missing.stderr
+
+
+def _held_port() -> socket.socket:
+    """A port another process listens on (this test's socket)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_up_names_a_taken_redis_port_and_its_flag(tmp_path):
+    env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path / "cache")}
+    with _held_port() as held:
+        port = held.getsockname()[1]
+        done = _cli("up", "--redis-port", str(port), "--no-gateway", "--model", "/unused", env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"port {port} is taken" in done.stderr and "--redis-port" in done.stderr
+    assert not (tmp_path / "cache" / "up.json").exists()
+
+
+@pytest.mark.slow
+def test_up_names_a_taken_gateway_port_and_its_flag_and_serves_without_a_gateway(llama_dir, tmp_path):
+    env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    with _held_port() as held:
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "worker.cli", "up", "--model", str(llama_dir), "--dtype", "float32"]
+        cmd += ["--max-model-len", "256", "--gateway-port", str(port)]
+        up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        lines: list[str] = []
+        try:
+            deadline = time.monotonic() + 120
+            while not lines or "point producers at" not in lines[-1]:
+                line = up.stdout.readline()
+                if (not line and up.poll() is not None) or time.monotonic() > deadline:
+                    pytest.fail("pagedq up did not start:\n" + "".join(lines))
+                lines.append(line)
+        finally:
+            up.send_signal(signal.SIGINT)
+            rc = up.wait(60)
+            up.stdout.close()
+    text = "".join(lines)
+    assert f"port {port} is taken" in text and "--gateway-port" in text and "PAGEDQ_GATEWAY_PORT" in text, text
+    assert "OpenAI-compatible gateway on" not in text and rc == 0
