@@ -81,6 +81,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         block_size=limits.block_size,
         max_model_len=limits.max_model_len,
         dtype=limits.dtype,
+        # --generation-config: the model's sampling defaults for what a request leaves unset ({}: none)
+        generation_defaults=engine.input_processor.generation_defaults,
     )
     from worker.service.runner import run_to_exit
 
