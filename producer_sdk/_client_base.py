@@ -18,7 +18,7 @@ from producer_sdk._core import (
     prepare_many,
 )
 from producer_sdk._stream import Backoff, Follower, outcome
-from producer_sdk.constants import DEFAULT_TENANT
+from producer_sdk.constants import DEFAULT_RESULT_TTL_S, DEFAULT_TENANT
 from producer_sdk.contract import scripts, steps
 from producer_sdk.contract.cluster import decodes_responses, socket_timeout
 from producer_sdk.contract.connection import client_options, redis_from_url
@@ -76,7 +76,7 @@ class ClientOptions(msgspec.Struct, kw_only=True):
     model: str = "default"
     tenant: str = DEFAULT_TENANT  # of every request that names none
     max_queue_len: int | None = None
-    result_ttl_s: float = 86400.0
+    result_ttl_s: float = DEFAULT_RESULT_TTL_S  # docs/sdk.md, "How long an answer can be fetched"
     block_ms: int = 2000
     reconnect_attempts: int = 10
     reconnect_backoff_max_s: float = 2.0
@@ -208,7 +208,7 @@ class ClientBase:
         *,
         tenant: str | None = None,
         max_queue_len: int | None = None,
-        result_ttl_s: float = 86400.0,
+        result_ttl_s: float = DEFAULT_RESULT_TTL_S,
         connect_timeout: float | None = 5.0,
         block_ms: int = 2000,
         reconnect_attempts: int = 10,
@@ -220,6 +220,8 @@ class ClientBase:
         **redis_options: Any,
     ) -> None:
         tenant, model = validate_tenant(tenant), validate_model_name(model)
+        if not result_ttl_s >= 0.001:
+            raise ValueError(f"result_ttl_s must be at least 1 ms, got {result_ttl_s!r}")
         if isinstance(redis_url, str):
             options = redis_kwargs(connect_timeout, redis_options, asyncio=self._asyncio)
             self._redis = redis_from_url(redis_url, asyncio=self._asyncio, **options)

@@ -18,7 +18,7 @@ import msgspec
 from producer_sdk import trace_context
 from producer_sdk._stream import Follower, translate_redis_error
 from producer_sdk.chat import Message, NamedToolChoice, ResponseFormat, Tool
-from producer_sdk.constants import DEFAULT_TENANT
+from producer_sdk.constants import DEFAULT_TENANT, UNFINISHED_TTL_S
 from producer_sdk.contract import keys, scripts
 from producer_sdk.errors import (
     ProtocolError,
@@ -191,8 +191,11 @@ def split_submit_item(item: str | Mapping[str, Any]) -> tuple[tuple, dict[str, A
 def enqueue_keys_args(
     p: Prepared, model: str, max_queue_len: int | None, ttl_s: float, quota: scripts.Quota
 ) -> tuple[list[str], list[Any]]:
+    """`ttl_s`: the retention (`result_ttl_s`), which travels in the entry for the worker to apply from
+    the final event on; the submitted marker lives at least UNFINISHED_TTL_S until then."""
+    marker_ms, retention_ms = int(max(ttl_s, UNFINISHED_TTL_S) * 1000), int(ttl_s * 1000)
     return scripts.enqueue_call(
-        model, p.lane, p.request_id, p.payload, max_queue_len, int(ttl_s * 1000), p.tenant, quota
+        model, p.lane, p.request_id, p.payload, max_queue_len, marker_ms, p.tenant, quota, retention_ms=retention_ms
     )
 
 
@@ -244,7 +247,7 @@ def cancel_commands(model: str, request_id: str, ttl_s: float) -> list[tuple[Any
     pipeline: a cluster pipeline takes no PUBLISH."""
     msg = encode_control(ControlMessage(type="cancel", request_id=request_id))
     return [
-        ("SET", keys.cancel_flag(request_id), 1, "EX", max(1, int(ttl_s))),
+        ("SET", keys.cancel_flag(request_id), 1, "EX", int(max(ttl_s, UNFINISHED_TTL_S))),
         ("PUBLISH", keys.control_channel(model), msg),
     ]
 

@@ -124,7 +124,7 @@ class AsyncClient(ClientBase):
     """Producer client of one model namespace (`pagedq:{model}:*`), for asyncio.
 
     ``AsyncClient(redis_url="redis://localhost:6379/0", model="default", *, tenant=None, max_queue_len=None,
-    result_ttl_s=86400, connect_timeout=5.0, block_ms=2000, reconnect_attempts=10,
+    result_ttl_s=3600, connect_timeout=5.0, block_ms=2000, reconnect_attempts=10,
     reconnect_backoff_max_s=2.0, resubmit_lost=True, limits=DEFAULT_LIMITS, propagate_trace=True,
     **redis_options)``
 
@@ -138,8 +138,9 @@ class AsyncClient(ClientBase):
     `tenant`: the tenant of every request that names none (default "default"): quotas set with
     `pagedq tenant set` apply per tenant (see docs/tenants.md).
     `max_queue_len` caps each priority lane (default: the limit the workers publish in
-    ``pagedq:{model}:config``, else none). `result_ttl_s`: lifetime of the idempotency marker and
-    of cancel flags. `block_ms`: the XREAD BLOCK slice (after each idle slice the reader checks
+    ``pagedq:{model}:config``, else none). `result_ttl_s`: how long an answer stays in Redis after
+    its request finished, its idempotency marker with it (docs/sdk.md, "How long an answer can be
+    fetched"). `block_ms`: the XREAD BLOCK slice (after each idle slice the reader checks
     the request still exists). A failed Redis call is retried `reconnect_attempts` times in a row
     with exponential backoff (full jitter, up to `reconnect_backoff_max_s`), then `ConnectionLost`
     is raised. `resubmit_lost`: when Redis lost a request (a restart without persistence) before

@@ -12,9 +12,11 @@
 - `producer_sdk.protocol`: what the entries hold (msgpack request and event Structs).
 
 Request entry
-    ``XADD <keys.lane_stream(model, lane)> * id <request_id> t <tenant> d <msgpack GenerateRequest>``
-    through the `enqueue` step. The producer first reads the tenant's quota (``HMGET
-    keys.tenant_quota(tenant)`` of `scripts.QUOTA_FIELDS`) and passes it as arguments. The step answers
+    ``XADD <keys.lane_stream(model, lane)> * id <request_id> t <tenant> r <retention ms> d <msgpack
+    GenerateRequest>`` through the `enqueue` step (`r`: how long the answer is kept after its final
+    event, the producer's `result_ttl_s`; absent from older SDKs, whose entries get the worker's own).
+    The producer first reads the tenant's quota (``HMGET keys.tenant_quota(tenant)`` of
+    `scripts.QUOTA_FIELDS`) and passes it as arguments. The step answers
     ``duplicate`` while ``keys.submitted_marker(model, id)`` exists (a resubmit follows the existing
     request), refuses with ``full`` when the model's lanes together hold `limit` entries (the SDK's
     limit, else the ``max_queue_len`` a worker put in ``keys.config(model)``, else
@@ -36,7 +38,8 @@ Response stream ``keys.response_stream(id)``
     across worker crashes). Written only by the `publish` step: fenced on the lease (epoch and owner;
     ``lost`` when another attempt holds it or it is gone) and idempotent by seq (a repeated seq is
     skipped, a gap refused with ``gap``). While the request runs the stream and the lease live
-    `live TTL` past their last write; a final batch sets the shorter result TTL on both. The `ack` of
+    `live TTL` past their last write; a final batch sets the request's retention on both, and the same
+    step gives the gateway's record ``keys.gateway_record(id)`` the stream's TTL. The `ack` of
     the entry is a separate step, run after the final event is stored (the stream and the entry live in
     different hash slots), so a reader may see the final event a round trip before the entry is acked. A reader
     follows with ``XREAD BLOCK`` from ``0-0``.

@@ -22,6 +22,10 @@ LANES = ("high", "normal", "low")  # read in this order
 ENTRY_ID_FIELD = "id"
 ENTRY_DATA_FIELD = "d"
 ENTRY_TENANT_FIELD = "t"  # the tenant the entry is counted under (absent in entries of older SDKs)
+# How long the request's answer is kept after its final event, in ms: the producer's retention
+# (`result_ttl_s`), which the worker applies to the response stream, the lease, the submitted marker
+# and the gateway's record. Absent in entries of older SDKs: the worker's --result-ttl.
+ENTRY_RETENTION_FIELD = "r"
 # Fields of a response entry: the msgpack event and its seq (what writers deduplicate on).
 EVENT_FIELD = "e"
 EVENT_SEQ_FIELD = "s"
@@ -116,7 +120,7 @@ def cancel_flag(request_id: str) -> str:
 
 def gateway_record(request_id: str) -> str:
     """What an HTTP gateway keeps of a request it took (model, kind, n, ...), so that any gateway can
-    resume or fetch it; expires with the result."""
+    resume or fetch it. The publish step gives it the response stream's TTL, so both expire together."""
     return f"{PREFIX}:gw:{request_tag(request_id)}"
 
 

@@ -116,7 +116,8 @@ end
 -- in ARGV[5]; <= 0 there too: unlimited), marker TTL ms, default limit, tenant, now ms (<= 0: Redis
 -- TIME), rate window ms, retry-after ms to answer when the tenant's max_queued is reached, then the
 -- tenant's quota as the producer read it: max_queued, requests_per_minute, tokens_per_minute (0:
--- unlimited).
+-- unlimited), then the retention ms (field `r` of the entry: how long the answer is kept after its
+-- final event; absent or <= 0: no `r`, the worker's own).
 -- The quota, per model: at most max_queued outstanding entries, at most requests_per_minute entries
 -- per window (fixed windows: now // window), and no new entry once the tokens of the tenant's
 -- requests finished in the current window (counted by `ack`) reach tokens_per_minute. Only an
@@ -161,7 +162,13 @@ local function enqueue(KEYS, ARGV)
       return {'limited', 'tokens_per_minute', tokens, tokens_per_window, (window + 1) * length - now}
     end
   end
-  local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 't', tenant, 'd', ARGV[2])
+  local entry
+  local retention = tonumber(ARGV[13] or '') or 0
+  if retention > 0 then
+    entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 't', tenant, 'r', retention, 'd', ARGV[2])
+  else
+    entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 't', tenant, 'd', ARGV[2])
+  end
   redis.call('SET', KEYS[2], 1, 'PX', ARGV[4])
   redis.call('HINCRBY', KEYS[4], tenant, 1)
   if per_window > 0 then add_in_window(KEYS[5], 1, now, length) end
@@ -190,10 +197,12 @@ local function acquire(KEYS, ARGV)
 end
 
 -- Write one request's events, fenced on its lease and idempotent by seq.
--- KEYS: response stream, lease. ARGV: owner, epoch, stream cap (0: none), live TTL ms, result TTL
--- ms, first seq, final (0/1), event count n, the n events.
+-- KEYS: response stream, lease, and optionally the gateway's record. ARGV: owner, epoch, stream cap
+-- (0: none), live TTL ms, result TTL ms, first seq, final (0/1), event count n, the n events.
 -- While the request runs, the stream and the lease live `live TTL` past the last write; a final
--- batch sets the result TTL on both (the lease keeps fencing stale writers until the stream goes).
+-- batch sets the result TTL (the request's retention) on both (the lease keeps fencing stale writers
+-- until the stream goes). A gateway's record, where there is one, gets the same TTL in the same
+-- step, so it expires together with the stream.
 -- Reply: {status, last seq stored}; status: 'ok' written (or already there), 'lost' the lease is
 -- another attempt's, or gone (nothing written), 'gap' the stream ends before first seq - 1
 -- (nothing written).
@@ -218,6 +227,7 @@ local function publish(KEYS, ARGV)
   if final then ttl = ARGV[5] end
   if redis.call('EXISTS', resp) == 1 then redis.call('PEXPIRE', resp, ttl) end
   redis.call('PEXPIRE', lease, ttl)
+  if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then redis.call('PEXPIRE', KEYS[3], ttl) end
   return {'ok', math.max(last, first + n - 1)}
 end
 

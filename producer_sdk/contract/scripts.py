@@ -77,9 +77,11 @@ def enqueue_call(
     *,
     now_ms: int = 0,
     window_ms: int = RATE_WINDOW_MS,
+    retention_ms: int = 0,
 ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of `enqueue`. `quota`: the tenant's, as just read (`read_quota`). `now_ms` 0: the
-    rate window is read from Redis's clock."""
+    rate window is read from Redis's clock. `retention_ms`: how long the answer is kept after its final
+    event (the entry's `r` field; 0: none, the worker's default applies)."""
     q = quota or Quota()
     ks = [
         keys.lane_stream(model, lane),
@@ -92,7 +94,7 @@ def enqueue_call(
     ]
     args = [request_id, payload, int(max_queue_len or 0), max(1, int(marker_ttl_ms)), DEFAULT_MAX_QUEUE_LEN]
     args += [tenant, int(now_ms), int(window_ms), QUEUED_RETRY_AFTER_MS]
-    return ks, [*args, q.max_queued, q.requests_per_minute, q.tokens_per_minute]
+    return ks, [*args, q.max_queued, q.requests_per_minute, q.tokens_per_minute, max(0, int(retention_ms))]
 
 
 class EnqueueReply(msgspec.Struct, frozen=True):
@@ -197,8 +199,9 @@ def publish_call(
     final: bool,
 ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of `publish`: events numbered first_seq, first_seq + 1, ..., written for the
-    attempt holding the lease at `epoch`."""
-    ks = [keys.response_stream(request_id), keys.lease(request_id)]
+    attempt holding the lease at `epoch`. The gateway's record of the request, where there is one,
+    gets the stream's TTL (`live_ttl_ms` while it runs, `result_ttl_ms` from its final event)."""
+    ks = [keys.response_stream(request_id), keys.lease(request_id), keys.gateway_record(request_id)]
     args: list[Any] = [owner, epoch, cap, live_ttl_ms, result_ttl_ms, first_seq, int(final), len(events), *events]
     return ks, args
 

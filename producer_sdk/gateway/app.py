@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from producer_sdk.client import AsyncClient
-from producer_sdk.constants import REQUEST_ID_PATTERN
+from producer_sdk.constants import REQUEST_ID_PATTERN, UNFINISHED_TTL_S
 from producer_sdk.contract import keys
 from producer_sdk.contract.connection import connect
 from producer_sdk.contract.redis_errors import REDIS_ERRORS
@@ -164,11 +164,12 @@ class Gateway:
             kind=kind, model=m.model, created=created, n=n, include_usage=m.include_usage, tenant=caller.tenant
         )
         client = self.client(m.model)
+        # Until the request runs, its record outlives any queueing; from then on the worker gives it the
+        # response stream's TTL (the retention from the final event), so both expire together.
+        record_ttl_ms = int(max(self.config.result_ttl_s, UNFINISHED_TTL_S) * 1000)
         handle, stored = await asyncio.gather(
             client.submit(request_id=rid, deadline=deadline, **submit),
-            self.redis.set(
-                keys.gateway_record(rid), records.encode(record), px=int(self.config.result_ttl_s * 1000), nx=True
-            ),
+            self.redis.set(keys.gateway_record(rid), records.encode(record), px=record_ttl_ms, nx=True),
             return_exceptions=True,
         )
 

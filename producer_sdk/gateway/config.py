@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from producer_sdk.constants import DEFAULT_RESULT_TTL_S
+
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get("PAGEDQ_" + name.upper(), default)
@@ -22,7 +24,7 @@ class GatewayConfig:
     port: int = 8000
     api_keys: str | None = None  # path of the key file; None: no authentication
     queue_without_workers: bool = False
-    result_ttl_s: float = 86400.0
+    result_ttl_s: float = DEFAULT_RESULT_TTL_S  # the requests' retention: docs/sdk.md
     max_body_bytes: int = 4 << 20
     request_timeout_s: float | None = None  # default deadline of every request (None: none)
     retry_after_s: int = 1
@@ -54,8 +56,11 @@ class GatewayConfig:
         g.add_argument(
             "--result-ttl",
             type=float,
-            default=float(_env("result_ttl") or 86400),
-            help="seconds a finished answer stays retrievable and resumable",
+            default=float(_env("result_ttl") or DEFAULT_RESULT_TTL_S),
+            help="seconds a finished answer stays retrievable and resumable (GET .../{id}), from its final "
+            "event; each request carries it to the worker, which expires the answer and this gateway's "
+            "record together (capped by the worker's --max-result-ttl): docs/sdk.md, 'How long an answer "
+            "can be fetched'",
         )
         g.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes") or 4 << 20), help="larger: 413")
         g.add_argument(

@@ -1,7 +1,7 @@
 """What a gateway needs to answer for a request it did not take: a small record in Redis, written
-next to the submit, that lives as long as the result. With it any gateway can serve
-``GET /v1/chat/completions/{id}`` (resume a stream or fetch the finished object), even after the
-gateway that took the POST died.
+next to the submit, that lives as long as the result (the worker's publish step gives it the
+response stream's TTL). With it any gateway can serve ``GET /v1/chat/completions/{id}`` (resume a
+stream or fetch the finished object), even after the gateway that took the POST died.
 
 Also: request ids from `Idempotency-Key` / `X-Request-Id` headers.
 """

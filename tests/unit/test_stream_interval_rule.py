@@ -11,6 +11,7 @@ from worker.service.config import ServiceConfig
 from worker.service.inflight import InFlight
 from worker.service.metrics import WorkerMetrics
 from worker.service.publisher import Publisher, PublisherHooks
+from worker.service.retention import Retention
 
 
 class _FakeRedis:
@@ -31,7 +32,7 @@ def _publisher(interval: int, rids: list[str]) -> Publisher:
         group="g",
         consumer="w1",
         live_ttl_ms=1000,
-        result_ttl_ms=1000,
+        retention=Retention(default_ms=1000, max_ms=1000),
         metrics=WorkerMetrics("default"),
         stream_interval=interval,
     )

@@ -289,6 +289,7 @@ class Admission:
             request=req,
             max_events=(sp.max_tokens or self.engine.limits.max_model_len) * sp.n + 16,
             tenant=e.tenant,
+            retention_ms=e.retention_ms,
             deliveries=e.deliveries,
             read_at=e.read_at,
         )

@@ -27,6 +27,7 @@ from producer_sdk.protocol import Error, Finished, encode_event
 from worker.service.inflight import Entry
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
+from worker.service.retention import Retention
 from worker.service.retry import retrying
 
 PAYLOAD_HEAD_BYTES = 512  # what a dead letter keeps of the payload (with its length and SHA-1)
@@ -40,7 +41,7 @@ class EntryCloser:
         model: str,
         group: str,
         consumer: str,
-        result_ttl_ms: int,
+        retention: Retention,
         dead_letter_ttl_ms: int,
         metrics: WorkerMetrics,
         release: Callable[[list[Entry]], Awaitable[object]],
@@ -48,7 +49,7 @@ class EntryCloser:
         self.redis = redis
         self.release = release  # hands entries over to the next claim (Ownership.hand_over_entries)
         self.model, self.group, self.consumer = model, group, consumer
-        self.result_ttl_ms, self.dead_letter_ttl_ms = result_ttl_ms, dead_letter_ttl_ms
+        self.retention, self.dead_letter_ttl_ms = retention, dead_letter_ttl_ms
         self.metrics = metrics
         self.log = get_logger("pagedq.intake", worker=consumer)
 
@@ -70,7 +71,7 @@ class EntryCloser:
             request_id,
             group=self.group,
             entry_id=e.entry_id,
-            result_ttl_ms=self.result_ttl_ms,
+            result_ttl_ms=self.retention.ms(e.retention_ms),
             tenant=e.tenant,
             tokens=tokens,
             dead_letter=dead_letter,
@@ -122,13 +123,14 @@ class EntryCloser:
         holds the lease or it is gone: nothing is written or acked here, and the entry is handed over
         (fenced on its ownership), so the next claim settles it at once (a newer entry's duplicate is
         dropped, a lost lease is taken again) instead of after the claim timeout."""
+        retention_ms = self.retention.ms(e.retention_ms)
         ks, args = scripts.publish_call(
             request_id,
             owner=self.consumer,
             epoch=e.epoch,
             cap=0,
-            live_ttl_ms=self.result_ttl_ms,
-            result_ttl_ms=self.result_ttl_ms,
+            live_ttl_ms=retention_ms,
+            result_ttl_ms=retention_ms,
             first_seq=first_seq,
             events=[encode_event(event)],
             final=True,

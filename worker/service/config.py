@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from producer_sdk.constants import DEFAULT_RESULT_TTL_S, UNFINISHED_TTL_S
 from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_model_name
 from worker.options import add_cli_args, from_cli_args, option
 from worker.service.watchdog import STALL_ACTIONS
@@ -33,7 +34,16 @@ class ServiceConfig:
     drain_timeout: float = option(30.0, "seconds to finish in-flight work on SIGTERM before handing it over")
     claim_idle_ms: int = option(30_000, "an entry idle this long is taken over from its (dead) worker")
     max_deliveries: int = option(3, "dead-letter a request delivered this many times without finishing")
-    result_ttl: int = option(600, "seconds a finished request's response stream is kept, from its final event")
+    result_ttl: int = option(
+        DEFAULT_RESULT_TTL_S,
+        "seconds a finished answer is kept, from its final event, for requests that do not say (older SDKs); "
+        "a request carries its producer's retention: docs/sdk.md, 'How long an answer can be fetched'",
+    )
+    max_result_ttl: int = option(
+        UNFINISHED_TTL_S,
+        "the longest retention a request may ask for, in seconds (longer: cut to this); bounds the Redis memory "
+        "that finished answers take",
+    )
     live_ttl: int = option(3600, "seconds an unfinished request's response stream is kept after its last write")
     dead_letter_ttl: int = option(7 * 86400, "seconds dead letters are kept (the stream is trimmed by age)")
     stream_interval: int = option(
@@ -94,9 +104,11 @@ class ServiceConfig:
             self.reclaim_interval_s = min(5.0, self.claim_idle_ms / 2000)
         if self.renew_interval_s * 1000 * 2 > self.claim_idle_ms:
             raise ValueError("renew_interval_s must be well inside claim_idle_ms (at most half)")
-        for name in ("result_ttl", "live_ttl", "dead_letter_ttl"):
+        for name in ("result_ttl", "max_result_ttl", "live_ttl", "dead_letter_ttl"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 second")
+        if self.result_ttl > self.max_result_ttl:
+            raise ValueError("--result-ttl must not exceed --max-result-ttl")
         if self.wait_replicas < 0:
             raise ValueError("--wait-replicas must be >= 0")
         if self.fair_share_window is not None and self.fair_share_window < 0:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from producer_sdk.constants import DEFAULT_TENANT, REQUEST_ID_PATTERN, TENANT_PATTERN
-from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, ENTRY_TENANT_FIELD
+from producer_sdk.contract.keys import ENTRY_DATA_FIELD, ENTRY_ID_FIELD, ENTRY_RETENTION_FIELD, ENTRY_TENANT_FIELD
 from producer_sdk.contract.scripts import lease_epoch
 from producer_sdk.protocol import GenerateRequest
 
@@ -46,6 +46,17 @@ class Entry:
         return tenant if TENANT_PATTERN.fullmatch(tenant) else DEFAULT_TENANT
 
     @property
+    def retention_ms(self) -> int | None:
+        """The retention its producer asked for (field `r`, ms); None when absent (an older SDK's) or
+        malformed."""
+        raw = self.fields.get(ENTRY_RETENTION_FIELD.encode())
+        try:
+            value = int(raw) if raw is not None else None
+        except ValueError:
+            return None
+        return value if value is not None and value > 0 else None
+
+    @property
     def epoch(self) -> str:
         """The lease epoch of this delivery: what the worker writes the request's stream under."""
         return lease_epoch(self.entry_id, self.deliveries)
@@ -60,6 +71,7 @@ class InFlight:
     request: GenerateRequest
     max_events: int  # MAXLEN cap of the response stream
     tenant: str = DEFAULT_TENANT  # the entry's tenant field
+    retention_ms: int | None = None  # the entry's retention field (None: the worker's --result-ttl)
     attempt: int = 1  # 1 + number of attempts before this one
     deliveries: int = 1  # how many times Redis has handed the entry out
     next_seq: int = 0  # seq of the next event this worker writes
@@ -94,8 +106,10 @@ class InFlight:
         return Entry(self.lane, self.stream, self.entry_id, self.fields(), self.deliveries, self.read_at)
 
     def fields(self, payload: bytes | None = None) -> dict[bytes, bytes]:
-        """Entry fields rebuilt from what the worker holds (the tenant, and the payload if given)."""
+        """Entry fields rebuilt from what the worker holds (tenant, retention, and the payload if given)."""
         fields = {ENTRY_TENANT_FIELD.encode(): self.tenant.encode()}
+        if self.retention_ms is not None:
+            fields[ENTRY_RETENTION_FIELD.encode()] = str(self.retention_ms).encode()
         if payload is not None:
             fields[ENTRY_DATA_FIELD.encode()] = payload
         return fields

@@ -33,6 +33,7 @@ from worker.service.finished import record_finish
 from worker.service.inflight import InFlight, InFlightTable
 from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
+from worker.service.retention import Retention
 from worker.service.retry import Backoff
 from worker.service.tracing import RequestTracer
 
@@ -87,7 +88,7 @@ class Publisher:
         group: str,
         consumer: str,
         live_ttl_ms: int,
-        result_ttl_ms: int,
+        retention: Retention,
         metrics: WorkerMetrics,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
@@ -98,7 +99,7 @@ class Publisher:
         self.inflight = inflight
         self.hooks = hooks
         self.model, self.group, self.consumer = model, group, consumer
-        self.live_ttl_ms, self.result_ttl_ms = live_ttl_ms, result_ttl_ms
+        self.live_ttl_ms, self.retention = live_ttl_ms, retention
         self.metrics = metrics
         self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self.tracer = tracer
@@ -237,7 +238,7 @@ class Publisher:
             epoch=rec.epoch,
             cap=rec.max_events,
             live_ttl_ms=self.live_ttl_ms,
-            result_ttl_ms=self.result_ttl_ms,
+            result_ttl_ms=self.retention.ms(rec.retention_ms),
             first_seq=rec.next_seq,
             events=events,
             final=final,
@@ -252,7 +253,7 @@ class Publisher:
             rec.request_id,
             group=self.group,
             entry_id=rec.entry_id,
-            result_ttl_ms=self.result_ttl_ms,
+            result_ttl_ms=self.retention.ms(rec.retention_ms),
             tenant=rec.tenant,
             tokens=self._used_tokens(p.final) if p.final is not None else 0,
         )

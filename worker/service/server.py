@@ -39,6 +39,7 @@ from worker.service.logging import get_logger
 from worker.service.metrics import WorkerMetrics
 from worker.service.ownership import Ownership
 from worker.service.publisher import Publisher, PublisherHooks
+from worker.service.retention import Retention
 from worker.service.retry import REDIS_DOWN, Backoff
 from worker.service.supervisor import Supervisor, every
 from worker.service.tracing import make_tracer
@@ -72,6 +73,7 @@ class WorkerService:
         common = {"model": self.model, "consumer": self.consumer}
         self.tracer = make_tracer(cfg, **common)  # None unless tracing is configured
         group = keys.group(self.model)
+        retention = Retention(default_ms=cfg.result_ttl * 1000, max_ms=cfg.max_result_ttl * 1000)
         self.ownership = Ownership(
             self.redis,
             self.inflight,
@@ -83,7 +85,7 @@ class WorkerService:
         self.closer = EntryCloser(
             self.redis,
             group=group,
-            result_ttl_ms=cfg.result_ttl * 1000,
+            retention=retention,
             dead_letter_ttl_ms=cfg.dead_letter_ttl * 1000,
             metrics=self.metrics,
             release=self.ownership.hand_over_entries,
@@ -132,7 +134,7 @@ class WorkerService:
             hooks,
             group=group,
             live_ttl_ms=cfg.live_ttl * 1000,
-            result_ttl_ms=cfg.result_ttl * 1000,
+            retention=retention,
             wait_replicas=cfg.wait_replicas,
             wait_timeout_ms=cfg.wait_timeout_ms,
             stream_interval=cfg.stream_interval,
