@@ -247,7 +247,7 @@ def cancel_commands(model: str, request_id: str, ttl_s: float) -> list[tuple[Any
     pipeline: a cluster pipeline takes no PUBLISH."""
     msg = encode_control(ControlMessage(type="cancel", request_id=request_id))
     return [
-        ("SET", keys.cancel_flag(request_id), 1, "EX", int(max(ttl_s, UNFINISHED_TTL_S))),
+        ("SET", keys.cancel_flag(request_id), 1, "EX", max(1, int(ttl_s))),
         ("PUBLISH", keys.control_channel(model), msg),
     ]
 

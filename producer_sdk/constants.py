@@ -10,8 +10,8 @@ SUPPORTED_VERSIONS = (1, 2)  # what this side reads
 # How long a finished answer can be fetched, counted from its final event (docs/sdk.md, "How long an
 # answer can be fetched"): a producer's `result_ttl_s`, the gateway's --result-ttl.
 DEFAULT_RESULT_TTL_S = 3600
-# What a request that has not finished leaves in Redis (its submitted marker, a cancel flag, the
-# gateway's record) lives at least this long from submission, whatever the retention.
+# The submitted marker and the gateway's record of a request that has not finished live at least this
+# long from submission, whatever the retention.
 UNFINISHED_TTL_S = 24 * 3600
 FINISH_REASONS = ("stop", "length", "abort", "deadline", "tool_calls")
 ROLES = ("system", "developer", "user", "assistant", "tool")
