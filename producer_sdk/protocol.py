@@ -38,10 +38,8 @@ Strictness and evolution
   default are not encoded (`omit_defaults`), so a newer SDK that adds an optional field stays
   compatible with older workers for every request that does not use it. The flip side: a
   default value is part of the protocol (the decoder fills it in), so changing one needs a new `v`.
-  One exception kept within v1/v2: the sampling fields a model's generation config may set went from
-  vLLM's values (temperature 1.0, ...) to None, "the model's default". Their absence on the wire means
-  what it meant (no value sent; an older worker still reads vLLM's value), only an older SDK's
-  explicit 1.0 is absent too, so it now gets the model's default where the model sets one.
+  One exception: the fields a model's generation config may set went from vLLM's values to None
+  (the model's default) within v1/v2; an older worker reads their absence as before (vLLM's values).
 * Events are decoded strictly for types but ignore unknown fields, so a newer worker may add
   informative fields without breaking older SDKs; an event of an unknown `type` decodes as
   `UnknownEvent`, which readers skip.
@@ -96,13 +94,9 @@ def now_ms() -> int:
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     """vLLM names and defaults, except `max_tokens`: the service default is 256 (vLLM: 16);
-    None means "up to the model's length".
-
-    temperature, top_p, top_k, min_p and repetition_penalty are None unless the producer sets them: the
-    worker then applies the model's generation_config.json (`--generation-config`, as vLLM's OpenAI
-    server does), else vLLM's defaults (1.0, 1.0, 0 = off, 0.0, 1.0). On the wire an unset field is
-    absent, as before, and a worker that predates this reads its absence as those defaults; a set field
-    is always sent, 1.0 included, so it wins over the model's default."""
+    None means "up to the model's length". temperature, top_p, top_k, min_p, repetition_penalty: None
+    (not sent) unless set; the worker applies the model's generation_config.json (`--generation-config`),
+    else vLLM's values (1.0, 1.0, 0 = off, 0.0, 1.0). A set value, 1.0 included, is sent and wins."""
 
     n: int = 1
     max_tokens: int | None = 256
