@@ -38,8 +38,7 @@ Strictness and evolution
   default are not encoded (`omit_defaults`), so a newer SDK that adds an optional field stays
   compatible with older workers for every request that does not use it. The flip side: a
   default value is part of the protocol (the decoder fills it in), so changing one needs a new `v`.
-  One exception: the fields a model's generation config may set went from vLLM's values to None
-  (the model's default) within v1/v2; an older worker reads their absence as before (vLLM's values).
+  (Within v1/v2, the fields a model's generation config may set went to None: see SamplingParams.)
 * Events are decoded strictly for types but ignore unknown fields, so a newer worker may add
   informative fields without breaking older SDKs; an event of an unknown `type` decodes as
   `UnknownEvent`, which readers skip.
@@ -94,9 +93,9 @@ def now_ms() -> int:
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     """vLLM names and defaults, except `max_tokens`: the service default is 256 (vLLM: 16);
-    None means "up to the model's length". temperature, top_p, top_k, min_p, repetition_penalty: None
-    (not sent) unless set; the worker applies the model's generation_config.json (`--generation-config`),
-    else vLLM's values (1.0, 1.0, 0 = off, 0.0, 1.0). A set value, 1.0 included, is sent and wins."""
+    None means "up to the model's length". temperature, top_p, top_k, min_p, repetition_penalty: None,
+    not sent, unless set (then sent, 1.0 too): the worker applies the model's generation_config.json, else
+    vLLM's values (1.0, 1.0, 0 = off, 0.0, 1.0); an older worker reads their absence as vLLM's values."""
 
     n: int = 1
     max_tokens: int | None = 256
