@@ -19,11 +19,12 @@ from worker.service.redis_proc import RedisProcess, free_port
 pytestmark = pytest.mark.single_node  # ACL users made on one server
 
 MODEL = "default"
-# Exactly what the SDK needs (documented in docs/sdk.md): keys and channels under pagedq:.
+# Exactly what the SDK needs (docs/sdk.md's ACL; tests/unit/test_docs_claims.py runs that line itself):
+# keys and channels under pagedq:.
 SDK_COMMANDS = [
-    "+@connection", "+evalsha", "+script|load", "+script|exists", "+xread", "+exists", "+set",
+    "+@connection", "+evalsha", "+script|load", "+xread", "+xrange", "+exists", "+set",
     "+publish", "+xlen", "+zrange", "+zrem", "+mget", "+hget", "+xadd",
-    "+hmget", "+hincrby", "+hset", "+pexpire", "+time",  # tenant quotas in the enqueue step
+    "+hmget", "+hincrby", "+hset", "+pexpire", "+time",  # what the enqueue step runs inside Redis
 ]  # fmt: skip
 
 
