@@ -221,12 +221,15 @@ class BaselineWorker:
     @staticmethod
     def _unsupported(req: GenerateRequest) -> str | None:
         s = req.sampling
+        # Unset fields: vLLM's values (the baseline reads no generation_config.json).
+        temperature = 1.0 if s.temperature is None else s.temperature
+        penalty = 1.0 if s.repetition_penalty is None else s.repetition_penalty
         checks = [
-            (s.temperature > 0, f"temperature={s.temperature} (greedy only)"),
+            (temperature > 0, f"temperature={temperature} (greedy only)"),
             (s.n != 1, f"n={s.n}"),
             (s.logprobs is not None, "logprobs"),
             (bool(s.stop), "stop strings"),
-            (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty, "penalties"),
+            (penalty != 1.0 or s.presence_penalty or s.frequency_penalty, "penalties"),
             (s.min_tokens > 0, "min_tokens"),
         ]
         bad = [why for cond, why in checks if cond]

@@ -214,10 +214,11 @@ class OtelTracer:
             "messaging.destination.name": stream,
             "messaging.message.id": entry_id,
             "gen_ai.request.model": self.model,
-            "gen_ai.request.temperature": sp.temperature,
-            "gen_ai.request.top_p": sp.top_p,
             "gen_ai.request.choice.count": sp.n,
         }
+        for name, value in (("temperature", sp.temperature), ("top_p", sp.top_p)):
+            if value is not None:  # unset: the model's default, applied on the engine thread
+                attrs[f"gen_ai.request.{name}"] = value
         if sp.max_tokens is not None:
             attrs["gen_ai.request.max_tokens"] = sp.max_tokens
         return attrs
