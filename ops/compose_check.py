@@ -148,8 +148,21 @@ STANDINS = {
         "redis:7",
         "pagedq-standin/redis:7-bookworm",
         ["redis-server", "redis-tools"],
-        ["mkdir", "-p", "/data"],
-        ["WORKDIR /data", 'CMD ["redis-server"]', "EXPOSE 6379"],
+        # Like the official image's entrypoint: a redis-server without a config file leaves protected mode,
+        # which would refuse every client from another container.
+        [
+            "sh",
+            "-c",
+            "mkdir -p /data && printf '%s\\n' '#!/bin/sh' "
+            '\'if [ "$1" = redis-server ]; then shift; exec redis-server "$@" --protected-mode no; fi\' '
+            "'exec \"$@\"' > /usr/local/bin/docker-entrypoint.sh && chmod 755 /usr/local/bin/docker-entrypoint.sh",
+        ],
+        [
+            "WORKDIR /data",
+            'ENTRYPOINT ["/usr/local/bin/docker-entrypoint.sh"]',
+            'CMD ["redis-server"]',
+            "EXPOSE 6379",
+        ],
     ),
     "PAGEDQ_PROMETHEUS_IMAGE": (
         "prom/prometheus:v2.55.1",
@@ -278,22 +291,9 @@ def fill_wheels(base: str, torch_spec: str) -> None:
     if WHEELS_STAMP.exists() and json.loads(WHEELS_STAMP.read_text()) == key:
         say(f"ops/wheels is up to date ({len(list(WHEELS.glob('*.whl')))} wheels)")
         return
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "-d",
-            str(WHEELS),
-            torch_spec,
-            "--extra-index-url",
-            TORCH_CPU_INDEX,
-        ],
-        timeout=1800,
-    )
+    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(WHEELS), torch_spec]
+    if not probe(download, timeout=1800):  # where the host's own pip settings do not find it
+        run([*download, "--extra-index-url", TORCH_CPU_INDEX], timeout=1800)
     with tempfile.TemporaryDirectory(prefix="pagedq-wheels-") as tmp:
         # The project's metadata only (as in ops/Dockerfile): pyproject.toml and empty packages.
         src = Path(tmp) / "src"
@@ -317,6 +317,12 @@ def fill_wheels(base: str, torch_spec: str) -> None:
             "PIP_FIND_LINKS=/wheels",
             "-e",
             "PIP_DISABLE_PIP_VERSION_CHECK=1",
+            "-e",
+            "PIP_NO_CACHE_DIR=1",
+            "-e",
+            "HOME=/tmp",
+            "--user",
+            f"{os.getuid()}:{os.getgid()}",  # the wheels belong to whoever runs the check
         ]
         cert = host_pip_setting("cert")
         if cert and Path(cert).is_file():
