@@ -4,6 +4,7 @@ what the worker really serves, and scale on the real queue keys."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import kubernetes_validate
@@ -13,7 +14,8 @@ from producer_sdk.contract import keys
 from worker.engine.config import EngineConfig
 from worker.service.config import ServiceConfig
 
-K8S = Path(__file__).resolve().parents[2] / "ops" / "k8s"
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "ops" / "k8s"
 
 
 def _docs(name: str) -> list[dict]:
@@ -56,6 +58,19 @@ def test_keda_scales_the_deployment_on_every_lane_of_the_model():
     for t in triggers:
         assert t["type"] == "redis-streams" and int(t["metadata"]["lagCount"]) > 0
         assert t["authenticationRef"]["name"] in {d["metadata"]["name"] for d in _docs("keda.yaml")}
+
+
+def test_the_deployment_runs_the_image_compose_builds_as_its_user():
+    """The pod's image is the GPU image docker-compose.yml builds (ops/Dockerfile), run as the Dockerfile's
+    unprivileged user, who owns the prebuilt C++ kernels (TORCH_EXTENSIONS_DIR)."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    default = re.fullmatch(r"\$\{PAGEDQ_IMAGE:-([^}]+)\}", compose["services"]["worker"]["image"])
+    spec = _deployment()["spec"]["template"]["spec"]
+    assert default and spec["containers"][0]["image"] == default.group(1)
+    dockerfile = (ROOT / "ops" / "Dockerfile").read_text()
+    user = re.findall(r"^USER\s+(\d+):(\d+)$", dockerfile, re.M)[-1]
+    assert (str(spec["securityContext"]["runAsUser"]), str(spec["securityContext"]["runAsGroup"])) == user
+    assert "TORCH_EXTENSIONS_DIR" not in {e["name"] for e in spec["containers"][0]["env"]}, "the image's own"
 
 
 def test_every_manifest_is_checked():
