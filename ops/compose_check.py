@@ -565,7 +565,7 @@ def requests_through_gateway_and_redis(stack: Stack) -> None:
 
 
 def stop_a_worker_mid_stream(stack: Stack) -> None:
-    max_tokens = 400
+    max_tokens = 200
     body = chat_body(
         "Write a long story about a lighthouse.",
         max_tokens=max_tokens,
