@@ -818,3 +818,28 @@ def test_alert_expressions_fire_on_synthetic_series(tmp_path):
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     result = _promtool("test", "rules", str(path), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_check_knows_every_base_image_and_host_port():
+    """ops/compose_check.py (`make compose-check`) resolves every base image variable of the compose files,
+    with their defaults, and checks every published host port under the variable that sets it."""
+    spec = importlib.util.spec_from_file_location("compose_check", ROOT / "ops" / "compose_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    var_default = re.compile(r"\$\{(\w+):-([^}]*)\}")
+    services = compose()["services"]
+    # (the override's `!reset` tag means nothing to PyYAML: read it as plain YAML without that tag)
+    cpu = yaml.safe_load(COMPOSE_CPU_FILE.read_text(encoding="utf-8").replace("!reset ", ""))["services"]
+    images = {}
+    for name in ("redis", "prometheus", "grafana"):
+        var, default = var_default.fullmatch(services[name]["image"]).groups()
+        images[var] = default
+    var, default = var_default.fullmatch(cpu["model-prepare"]["build"]["args"]["BASE_IMAGE"]).groups()
+    images[var] = default
+    assert {var: entry[0] for var, entry in module.STANDINS.items()} == images
+    ports = {}
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            var, default = var_default.search(port).groups()
+            ports[var] = (int(default), name)
+    assert {var: (default, name) for var, default, name in module.PORTS} == ports
