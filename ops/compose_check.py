@@ -130,6 +130,25 @@ def compose(args: list[str], env: dict, **kw):
     return run([*COMPOSE, *args], env=env, **kw)
 
 
+def build(env: dict, timeout: float = 7200) -> str:
+    """`docker compose build`, showing its steps as they start (the C++ kernels take most of the time);
+    returns the whole output."""
+    cmd = [*COMPOSE, "--progress", "plain", "build"]
+    say("$ " + " ".join(cmd))
+    lines: list[str] = []
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    for line in p.stdout:
+        lines.append(line)
+        if re.match(r"#\d+ \[[^\]]*\d+/\d+\]", line) or re.search(r"\bBuilt\b|ERROR|\[\d+/\d+\] \w+:", line):
+            print("    " + line.rstrip()[:160], flush=True)
+        if time.monotonic() > deadline:
+            p.kill()
+    if p.wait() != 0:
+        raise CheckFailed("docker compose build failed:\n" + "".join(lines[-60:]))
+    return "".join(lines)
+
+
 # --- 1. base images ------------------------------------------------------------------------------
 
 STANDIN_PATH = "PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -670,8 +689,8 @@ def main() -> int:
             say(", ".join(f"{var}={env[var]}" for var, _, service in PORTS if service in services))
         stack = Stack(env, services)
         with phase("build"):
-            p = stack.compose(["build"], timeout=3600, quiet=True)
-            built = re.findall(r"^\s*(\S+)\s+Built\s*$", p.stdout + p.stderr, re.M)
+            output = build(env)
+            built = re.findall(r"^\s*(\S+)\s+Built\s*$", output, re.M)
             fact(f"built once, by {built}")
             check(built == ["model-prepare"], f"expected one build (model-prepare), got {built}")
         with phase("image checks"):
