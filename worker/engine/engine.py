@@ -3,9 +3,10 @@
 One step reads as schedule -> execute -> update: the `Scheduler` (scheduler.py) picks the sequences
 and their token counts and hands over their block tables, the `ModelRunner` (model_runner.py) runs
 one forward over that batch and samples, and the `OutputProcessor` (output_processor.py) appends the
-tokens, applies the stops and builds the outputs. Prompts become requests in input_processor.py;
-requests enter and leave the engine thread's state in lifecycle.py (a grammar-constrained request
-waits there until its grammar has compiled, see structured/).
+tokens, applies the stops and builds the outputs. Prompts become requests in input_processor.py.
+This file holds the whole engine: construction (named builders at the bottom), requests in, the
+step, and requests moving in and out of the engine thread's state (a grammar-constrained request
+waits until its grammar has compiled, see structured/).
 
 Thread model: `add_request` / `abort_request` may be called from any thread (they tokenize on the
 caller's thread and queue a command), and so may `prepare_request` / `add_prepared` (the same add in
@@ -22,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 import torch
@@ -31,74 +33,36 @@ from worker.engine.errors import PromptTooLong, RequestError, StepFailed
 from worker.engine.generation_defaults import load_generation_defaults
 from worker.engine.input_processor import InputProcessor, find_eos_token_ids
 from worker.engine.kv_cache import KVCacheManager
-from worker.engine.lifecycle import RequestLifecycle, sample_seed
 from worker.engine.model_runner import ModelRunner, SampleRow
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.outputs import RequestOutput
 from worker.engine.prefill_cost import attention_cost_context
-from worker.engine.request import Request, Sequence
+from worker.engine.request import Request, SeqStatus, Sequence
 from worker.engine.sampler import SamplerOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.stats import EngineLimits, EngineSnapshot, EngineStats, SnapshotMaker
 from worker.engine.structured import StructuredOutputManager
 from worker.engine.tool_calling import choose_tool_parser, read_chat_template
-from worker.models.loader import load_model, load_tokenizer
+from worker.models.loader import LoadedModel, load_model, load_tokenizer
 
 MIN_CPU_CHUNK = 256  # smallest default prompt chunk on CPU, in tokens
+COMPILE_POLL_S = 0.01  # an idle engine waits this long for a compile per step
 
 __all__ = ["EngineLimits", "EngineSnapshot", "LLMEngine", "PromptTooLong", "RequestError", "StepFailed"]
 
 
-class LLMEngine(RequestLifecycle):
+class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **options) -> None:
-        self.config = config or EngineConfig(**options)
-        cfg = self.config
+        self.config = cfg = config or EngineConfig(**options)
         if not cfg.model:
             raise ValueError("EngineConfig.model is required")
         loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer)
-        self.tokenizer = load_tokenizer(loaded.tokenizer_path, loaded.gguf_file)
-        if cfg.chat_template:
-            self.tokenizer.chat_template = read_chat_template(cfg.chat_template)
-        model_limit = int(getattr(loaded.config, "max_position_embeddings", 0) or 2048)
-        self.max_model_len = min(cfg.max_model_len or model_limit, model_limit)
-        if cfg.max_model_len and cfg.max_model_len > model_limit:
-            raise ValueError(f"--max-model-len={cfg.max_model_len} exceeds the model's limit of {model_limit}")
-        chunked = cfg.enable_chunked_prefill
-        budget = cfg.max_num_batched_tokens or (2048 if chunked else self.max_model_len)
-        # Chunk sizing defaults measured on CPU (ops/bench serve --long-prompt-only); GPU keeps vLLM's.
-        on_cpu = chunked and loaded.device.type == "cpu"
-        # 4% of the context, but never chunks so small that a step is mostly overhead (a short
-        # --max-model-len once gave 7-token chunks and a 10x slower prefill).
-        cpu_threshold = max(MIN_CPU_CHUNK, self.max_model_len * 4 // 100)
-        threshold = cfg.long_prefill_token_threshold or (cpu_threshold if on_cpu else 0)
-        long_budget = cfg.long_prefill_budget if cfg.long_prefill_budget is not None else (32 if on_cpu else 0)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=chunked,
-            policy=cfg.scheduling_policy,
-            long_prefill_token_threshold=threshold,
-            max_num_partial_prefills=cfg.max_num_partial_prefills,
-            max_long_partial_prefills=cfg.max_long_partial_prefills or cfg.max_num_partial_prefills,
-            long_prefill_budget=long_budget,
-            attention_cost_context=attention_cost_context(loaded.config),
-            fair_share_prefill_tokens=cfg.fair_share_prefill_tokens,
-        )
+        self.tokenizer = _build_tokenizer(cfg, loaded)
+        self.max_model_len = _resolve_max_model_len(cfg, loaded)
+        self.scheduler_config = _build_scheduler_config(cfg, loaded, self.max_model_len)
         self.eos_token_ids = find_eos_token_ids(loaded.tokenizer_path, loaded.config, self.tokenizer)
-        self.runner = ModelRunner(
-            loaded,
-            eos_token_ids=self.eos_token_ids,
-            block_size=cfg.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=budget,
-            num_kv_blocks=cfg.num_kv_blocks,
-            kv_cache_memory=cfg.kv_cache_memory,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
-        )
+        self.runner = _build_model_runner(cfg, loaded, self.scheduler_config, self.eos_token_ids)
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             cfg.block_size,
@@ -106,7 +70,6 @@ class LLMEngine(RequestLifecycle):
             watermark=cfg.watermark,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        vocab_size = int(loaded.config.vocab_size)
         self.structured = StructuredOutputManager(
             self.tokenizer,
             vocab_size=self.runner.vocab_size,
@@ -114,35 +77,17 @@ class LLMEngine(RequestLifecycle):
             compile_timeout=cfg.grammar_compile_timeout,
         )
         self.runner.grammar = self.structured
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            vocab_size=vocab_size,
-            max_model_len=self.max_model_len,
-            max_logprobs=cfg.max_logprobs,
-            structured=self.structured,
-            tool_parser=choose_tool_parser(cfg.tool_call_parser, self.tokenizer.chat_template),
-            generation_defaults=load_generation_defaults(cfg.generation_config, cfg.model),
-        )
+        self.input_processor = _build_input_processor(cfg, loaded, self.tokenizer, self.max_model_len, self.structured)
         self.output_processor = OutputProcessor(
             self.tokenizer, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
         )
-        self.limits = EngineLimits(
-            model=cfg.model,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=self.max_model_len,
-            block_size=cfg.block_size,
-            num_kv_blocks=self.runner.num_blocks,
-            kv_cache_bytes=self.runner.num_blocks * self.runner.bytes_per_block,
-            dtype=str(self.runner.dtype).removeprefix("torch."),
-            device=str(self.runner.device),
-            max_logprobs=cfg.max_logprobs,
-            vocab_size=vocab_size,
-        )
+        self.limits = _build_limits(cfg, loaded, self.runner, self.scheduler_config)
+        # Requests on the engine thread: admitted (by id), and those waiting for their grammar to compile.
         self.requests: dict[str, Request] = {}
-        self._compiling: list[Request] = []  # admitted, waiting for their grammar to compile
+        self._compiling: list[Request] = []
+        # Requests from any thread: queued commands, and the ids added and not yet finished.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._accepted: set[str] = set()  # ids added and not yet finished (any thread may read)
+        self._accepted: set[str] = set()
         self._accepting = threading.Lock()  # one check-and-add of ids at a time
         self._auto_id = itertools.count()
         self.stats = EngineStats()
@@ -150,7 +95,7 @@ class LLMEngine(RequestLifecycle):
         self._snapshot = self._snapshots(len(self._accepted))
         torch.manual_seed(cfg.seed)
 
-    # --- requests in (any thread) ------------------------------------------------------------
+    # --- requests in (any thread) ----------------------------------------------------------------
 
     def encode_prompt(
         self,
@@ -259,7 +204,7 @@ class LLMEngine(RequestLifecycle):
         """The state after the latest step (immutable; replaced, never changed, by the engine thread)."""
         return self._snapshot
 
-    # --- engine thread -----------------------------------------------------------------------
+    # --- engine thread: the step -----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Apply queued commands and deadlines, then schedule -> execute -> update; returns the outputs of
@@ -282,7 +227,116 @@ class LLMEngine(RequestLifecycle):
         self._snapshot = self._snapshots(len(self._accepted))
         return list(outputs.values())
 
-    # --- schedule: commands, deadlines, forks --------------------------------------------------
+    def discard(self, request_ids: Seq[str]) -> None:
+        """Drop requests at once, silently (no output), freeing their blocks."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.finished:
+                    self.scheduler.finish(seq, SeqStatus.FINISHED_ABORTED)
+            self._accepted.discard(rid)
+        self._snapshot = self._snapshots(len(self._accepted))
+
+    # --- schedule: commands, grammars, resumes, deadlines, forks ---------------------------------
+
+    def _apply_commands(self, outputs: dict[str, RequestOutput]) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                for req in arg:
+                    try:
+                        self._admit(req, outputs)
+                    except Exception as e:  # a request that cannot even start must not stop the engine
+                        req.error = f"request cannot start: {e!r}"
+                        self.requests[req.request_id] = req
+                        self._finish_request(req, SeqStatus.FINISHED_ABORTED, outputs)
+            elif kind == "abort" and arg in self.requests:
+                self._finish_request(self.requests[arg], SeqStatus.FINISHED_ABORTED, outputs)
+
+    def _admit(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
+        self.requests[req.request_id] = req
+        if req.grammar is not None:
+            self._compiling.append(req)  # started by `_admit_compiled` once its grammar has compiled
+            return
+        self._start(req, outputs)
+
+    def _admit_compiled(self, outputs: dict[str, RequestOutput]) -> None:
+        """Requests whose grammar is ready start; those whose compile failed or timed out end."""
+        waiting = []
+        for req in self._compiling:
+            if req.finished:  # aborted or expired while compiling
+                continue
+            status = self.structured.status(req)
+            if status == "waiting":
+                waiting.append(req)
+            elif status == "ready":
+                self._start(req, outputs)
+            else:
+                self._fail(req, status.code, str(status), outputs)
+        self._compiling = waiting
+
+    def _await_compiles(self) -> None:
+        if self._compiling:
+            wait([r.grammar for r in self._compiling], timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+
+    def _start(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
+        if req.resume is not None:
+            self._admit_resumed(req, outputs)
+            return
+        seq = req.seqs[0]
+        self._equip(seq, req.sampling_params.seed)
+        self.scheduler.add(seq)
+
+    def _admit_resumed(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
+        """One sequence per sample, each holding the tokens already delivered (no fork: prefix caching
+        shares what the samples have in common); a sample that had already stopped ends here."""
+        req.forked = True
+        req.seqs = []
+        for k, delivered in enumerate(req.resume or []):
+            seq = Sequence(f"{req.request_id}#{k}", req, list(req.prompt_token_ids), index=k)
+            req.seqs.append(seq)
+            self._equip(seq, sample_seed(req.sampling_params.seed, k))
+            status = self.output_processor.replay(seq, delivered)
+            if seq.matcher is not None and not self.structured.replay(seq, delivered):
+                self._fail(req, "grammar_unsatisfiable", "the delivered tokens do not follow the grammar", outputs)
+                return
+            if status is None:
+                self.scheduler.add(seq)
+            else:
+                seq.status = status
+                self.output_processor.flush(seq)
+        if req.finished:
+            self._emit(req, outputs)
+            self._retire(req)
+
+    def _equip(self, seq: Sequence, seed: int | None) -> None:
+        self.output_processor.attach_detokenizer(seq)
+        if seq.request.grammar is not None:
+            self.structured.attach(seq)
+        if seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+
+    def _fail_unschedulable(self, outputs: dict[str, RequestOutput]) -> None:
+        """Nothing runs, yet the head of the queue was not admitted: it can never fit the KV pool."""
+        if self.scheduler.running or not len(self.scheduler.waiting):
+            return
+        req = self.scheduler.waiting.peek().request
+        need = -(-req.seqs[0].num_tokens // self.kv.block_size)
+        req.error = (
+            f"request needs {need} KV blocks but the pool has {self.kv.num_blocks} "
+            f"({self.kv.watermark_blocks} held back): raise the KV cache size or lower max_tokens"
+        )
+        self._finish_request(req, SeqStatus.FINISHED_ABORTED, outputs)
+
+    def _expire_deadlines(self, outputs: dict[str, RequestOutput]) -> None:
+        now = time.time()
+        for req in [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]:
+            self._finish_request(req, SeqStatus.FINISHED_DEADLINE, outputs)
 
     def _sample_rows(self, sched: SchedulerOutput) -> tuple[list[SampleRow], list[tuple[Sequence, Sequence]]]:
         """Rows to sample this step; a request finishing its prompt with n > 1 forks its samples here
@@ -304,7 +358,7 @@ class LLMEngine(RequestLifecycle):
                     forks.append((child, s.seq))
         return rows, forks
 
-    # --- execute -----------------------------------------------------------------------------
+    # --- execute ---------------------------------------------------------------------------------
 
     def _execute(
         self, sched: SchedulerOutput, rows: list[SampleRow], outputs: dict[str, RequestOutput]
@@ -316,7 +370,7 @@ class LLMEngine(RequestLifecycle):
             self._snapshot = self._snapshots(len(self._accepted))
             raise StepFailed(ids, list(outputs.values()), e) from e
 
-    # --- update ------------------------------------------------------------------------------
+    # --- update ----------------------------------------------------------------------------------
 
     def _update(
         self,
@@ -393,3 +447,125 @@ class LLMEngine(RequestLifecycle):
         st.last_step_seqs = len(sched.scheduled)
         st.last_step_seconds = seconds
         st.last_progress = time.monotonic()
+
+    # --- requests out ----------------------------------------------------------------------------
+
+    def _fail(self, req: Request, code: str, message: str, outputs: dict[str, RequestOutput]) -> None:
+        """End one request with a typed error (an aborted finish carrying `error`)."""
+        req.error, req.error_code = message, code
+        self._finish_request(req, SeqStatus.FINISHED_ABORTED, outputs)
+
+    def _finish_request(self, req: Request, status: SeqStatus, outputs: dict[str, RequestOutput]) -> None:
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, status)
+                self.output_processor.flush(seq)
+        self._emit(req, outputs)
+        self._retire(req)
+
+    def _retire(self, req: Request) -> None:
+        req.metrics.finished = time.time()
+        for seq in req.seqs:
+            reason = seq.status.finish_reason or "abort"
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        self.requests.pop(req.request_id, None)
+        self._accepted.discard(req.request_id)
+
+    def _emit(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
+        outputs[req.request_id] = self.output_processor.make_output(req, outputs.get(req.request_id))
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index` of a seeded request draws from its own generator (kept in 64 bits)."""
+    return None if seed is None else (seed + index) % 2**64
+
+
+# --- construction: one builder per part that takes more than its constructor ---------------------
+
+
+def _build_tokenizer(cfg: EngineConfig, loaded: LoadedModel):
+    tokenizer = load_tokenizer(loaded.tokenizer_path, loaded.gguf_file)
+    if cfg.chat_template:
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+    return tokenizer
+
+
+def _resolve_max_model_len(cfg: EngineConfig, loaded: LoadedModel) -> int:
+    """--max-model-len, else the model's limit (2048 if it states none); never above the model's limit."""
+    model_limit = int(getattr(loaded.config, "max_position_embeddings", 0) or 2048)
+    if cfg.max_model_len and cfg.max_model_len > model_limit:
+        raise ValueError(f"--max-model-len={cfg.max_model_len} exceeds the model's limit of {model_limit}")
+    return min(cfg.max_model_len or model_limit, model_limit)
+
+
+def _build_scheduler_config(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int) -> SchedulerConfig:
+    chunked = cfg.enable_chunked_prefill
+    budget = cfg.max_num_batched_tokens or (2048 if chunked else max_model_len)
+    # Chunk sizing defaults measured on CPU (ops/bench serve --long-prompt-only); GPU keeps vLLM's.
+    on_cpu = chunked and loaded.device.type == "cpu"
+    # 4% of the context, but never chunks so small that a step is mostly overhead (a short
+    # --max-model-len once gave 7-token chunks and a 10x slower prefill).
+    cpu_threshold = max(MIN_CPU_CHUNK, max_model_len * 4 // 100)
+    threshold = cfg.long_prefill_token_threshold or (cpu_threshold if on_cpu else 0)
+    long_budget = cfg.long_prefill_budget if cfg.long_prefill_budget is not None else (32 if on_cpu else 0)
+    return SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        policy=cfg.scheduling_policy,
+        long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=cfg.max_num_partial_prefills,
+        max_long_partial_prefills=cfg.max_long_partial_prefills or cfg.max_num_partial_prefills,
+        long_prefill_budget=long_budget,
+        attention_cost_context=attention_cost_context(loaded.config),
+        fair_share_prefill_tokens=cfg.fair_share_prefill_tokens,
+    )
+
+
+def _build_model_runner(
+    cfg: EngineConfig, loaded: LoadedModel, sched: SchedulerConfig, eos_token_ids: frozenset[int]
+) -> ModelRunner:
+    """The model on its device with the KV cache allocated (sized from the config or the free memory)."""
+    return ModelRunner(
+        loaded,
+        eos_token_ids=eos_token_ids,
+        block_size=cfg.block_size,
+        max_model_len=sched.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        num_kv_blocks=cfg.num_kv_blocks,
+        kv_cache_memory=cfg.kv_cache_memory,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+    )
+
+
+def _build_input_processor(
+    cfg: EngineConfig, loaded: LoadedModel, tokenizer, max_model_len: int, structured: StructuredOutputManager
+) -> InputProcessor:
+    return InputProcessor(
+        tokenizer,
+        vocab_size=int(loaded.config.vocab_size),
+        max_model_len=max_model_len,
+        max_logprobs=cfg.max_logprobs,
+        structured=structured,
+        tool_parser=choose_tool_parser(cfg.tool_call_parser, tokenizer.chat_template),
+        generation_defaults=load_generation_defaults(cfg.generation_config, cfg.model),
+    )
+
+
+def _build_limits(cfg: EngineConfig, loaded: LoadedModel, runner: ModelRunner, sched: SchedulerConfig) -> EngineLimits:
+    return EngineLimits(
+        model=cfg.model,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=sched.max_model_len,
+        block_size=cfg.block_size,
+        num_kv_blocks=runner.num_blocks,
+        kv_cache_bytes=runner.num_blocks * runner.bytes_per_block,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        device=str(runner.device),
+        max_logprobs=cfg.max_logprobs,
+        vocab_size=int(loaded.config.vocab_size),
+    )

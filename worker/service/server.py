@@ -5,7 +5,8 @@
                     publisher, cancels, ownership renewal, heartbeat, summary (all supervised)
 
 The engine never waits for the network and the network never waits for a forward pass. Every
-collaborator is built here, in `__init__`; `run` connects, starts the named tasks and waits.
+collaborator is built here: `__init__` reads as the list of them, each made by a `_build_*` method;
+`run` connects, starts the named tasks and waits.
 Shutdown (SIGTERM/SIGINT, or a dead task): stop pulling, let in-flight work finish for up to
 `drain_timeout` (not after a failure), hand the rest over (its tokens so far are published, its
 entry released for another worker to resume at once), and exit: 0 after a requested stop, 1 after a
@@ -63,45 +64,76 @@ class WorkerService:
         self.metrics_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task] = set()
-        lim = engine.limits
-        self.headroom = cfg.intake_headroom if cfg.intake_headroom is not None else max(1, lim.max_num_seqs // 8)
+        default_headroom = max(1, engine.limits.max_num_seqs // 8)
+        self.headroom = cfg.intake_headroom if cfg.intake_headroom is not None else default_headroom
 
         self.redis: aioredis.Redis = connect(cfg.redis_url, asyncio=True, socket_timeout=10.0)
         self.blocking_redis: aioredis.Redis = connect(
             cfg.redis_url, asyncio=True, socket_timeout=INTAKE_BLOCK_MS / 1000 + 10.0
         )
-        common = {"model": self.model, "consumer": self.consumer}
-        self.tracer = make_tracer(cfg, **common)  # None unless tracing is configured
-        group = keys.group(self.model)
+        self.tracer = make_tracer(cfg, **self._names)  # None unless tracing is configured
         retention = Retention(default_ms=cfg.result_ttl * 1000, max_ms=cfg.max_result_ttl * 1000)
-        self.ownership = Ownership(
+        # Requests in: intake reads entries, admission starts them in the engine; ownership, the closer
+        # and cancels keep each entry's claim, its end and its cancel.
+        self.ownership = self._build_ownership()
+        self.closer = self._build_closer(retention)
+        self.cancels = self._build_cancels()
+        self.admission = self._build_admission()
+        self.intake = self._build_intake()
+        self.admission.tenant_weight = self.intake.weights.get
+        # Outputs out, and the duties that watch the worker.
+        self.publisher = self._build_publisher(retention)
+        self.heartbeat = self._build_heartbeat()
+        self.engine_loop = EngineLoop(
+            engine, self.metrics, on_outputs=self.publisher.put, on_step_failed=self._step_failed, on_fatal=self._fatal
+        )
+        self.watchdog = self._build_watchdog()
+        self.supervisor = Supervisor(self.log, on_failure=self._task_failed)
+        self.health = self._build_health()
+
+    # --- construction: one builder per collaborator, in the order `__init__` wires them ----------------
+
+    @property
+    def _names(self) -> dict[str, str]:
+        """Who this worker is, as most collaborators take it (keyword arguments)."""
+        return {"model": self.model, "consumer": self.consumer}
+
+    def _build_ownership(self) -> Ownership:
+        return Ownership(
             self.redis,
             self.inflight,
             on_lost=self._on_lost,
             held=lambda: self.intake.held_entries(),
             on_held_lost=lambda keys: self.intake.drop_held(keys),
-            **common,
+            **self._names,
         )
-        self.closer = EntryCloser(
+
+    def _build_closer(self, retention: Retention) -> EntryCloser:
+        return EntryCloser(
             self.redis,
-            group=group,
+            group=keys.group(self.model),
             retention=retention,
-            dead_letter_ttl_ms=cfg.dead_letter_ttl * 1000,
+            dead_letter_ttl_ms=self.config.dead_letter_ttl * 1000,
             metrics=self.metrics,
             release=self.ownership.hand_over_entries,
-            **common,
+            **self._names,
         )
-        self.cancels = Cancels(
+
+    def _build_cancels(self) -> Cancels:
+        return Cancels(
             self.redis,
             self.inflight,
             abort=self.engine.abort_request,
             held=lambda: self.intake.held_request_ids(),
             on_held_cancel=lambda rid: self._spawn(self.intake.cancel_held(rid)),
-            **common,
+            **self._names,
         )
-        self.admission = Admission(
+
+    def _build_admission(self) -> Admission:
+        cfg = self.config
+        return Admission(
             self.redis,
-            engine,
+            self.engine,
             self.inflight,
             self.closer,
             limits=cfg.limits,
@@ -113,7 +145,11 @@ class WorkerService:
             lease_ttl_ms=cfg.live_ttl * 1000,
             tracer=self.tracer,
         )
-        self.intake = Intake(
+
+    def _build_intake(self) -> Intake:
+        cfg = self.config
+        window = cfg.fair_share_window if cfg.fair_share_window is not None else self.engine.limits.max_num_seqs // 4
+        return Intake(
             self.redis,
             self.blocking_redis,
             self.admission,
@@ -121,18 +157,20 @@ class WorkerService:
             claim_idle_ms=cfg.claim_idle_ms,
             reclaim_interval_s=cfg.reclaim_interval_s,
             metrics=self.metrics,
-            window=cfg.fair_share_window if cfg.fair_share_window is not None else lim.max_num_seqs // 4,
-            **common,
+            window=window,
+            **self._names,
         )
-        self.admission.tenant_weight = self.intake.weights.get
+
+    def _build_publisher(self, retention: Retention) -> Publisher:
+        cfg = self.config
         hooks = PublisherHooks(
             on_done=self._on_done, on_lost=self._on_lease_lost, on_gap=self._on_gap, on_failed=self._on_failed
         )
-        self.publisher = Publisher(
+        return Publisher(
             self.redis,
             self.inflight,
             hooks,
-            group=group,
+            group=keys.group(self.model),
             live_ttl_ms=cfg.live_ttl * 1000,
             retention=retention,
             wait_replicas=cfg.wait_replicas,
@@ -140,34 +178,38 @@ class WorkerService:
             stream_interval=cfg.stream_interval,
             metrics=self.metrics,
             tracer=self.tracer,
-            **common,
+            **self._names,
         )
-        self.heartbeat = Heartbeat(
+
+    def _build_heartbeat(self) -> Heartbeat:
+        return Heartbeat(
             self.redis,
-            engine,
-            interval_s=cfg.heartbeat_interval_s,
-            max_queue_len=cfg.max_queue_len,
+            self.engine,
+            interval_s=self.config.heartbeat_interval_s,
+            max_queue_len=self.config.max_queue_len,
             metrics=self.metrics,
             in_flight=lambda: len(self.inflight),
             draining=self.stopping.is_set,
-            **common,
+            **self._names,
         )
-        self.engine_loop = EngineLoop(
-            engine, self.metrics, on_outputs=self.publisher.put, on_step_failed=self._step_failed, on_fatal=self._fatal
-        )
-        self.watchdog = StallWatchdog(
+
+    def _build_watchdog(self) -> StallWatchdog:
+        return StallWatchdog(
             self.engine_loop.stalled_s,
-            cfg.health_stall_s,
-            cfg.health_stall_action,
+            self.config.health_stall_s,
+            self.config.health_stall_action,
             on_stall=self._on_stall,
             log=self.log,
             engine_thread=lambda: self.engine_loop.thread,
         )
-        self.supervisor = Supervisor(self.log, on_failure=self._task_failed)
-        self.health = HealthServer(self.metrics.render, self._health, self._ready)
-        # Read at scrape time, so /metrics tells what /health tells (and alerts can watch it).
+
+    def _build_health(self) -> HealthServer:
+        """/health, /ready and /metrics; the metrics read the engine's beat and health at scrape time, so
+        /metrics tells what /health tells (and alerts can watch it)."""
+        health = HealthServer(self.metrics.render, self._health, self._ready)
         self.metrics.labels(self.metrics.engine_stalled).set_function(self.engine_loop.stalled_s)
         self.metrics.labels(self.metrics.healthy).set_function(lambda: float(self._health()[0]))
+        return health
 
     # --- capacity and callbacks ---------------------------------------------------------------
 
