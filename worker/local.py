@@ -63,7 +63,7 @@ _GATEWAY_PORT_HINT = "choose another with --gateway-port PORT (or PAGEDQ_GATEWAY
 
 def start_gateway(redis_url: str, port: int) -> subprocess.Popen:
     """The gateway as a child process (it is one in production too; it never imports torch)."""
-    cmd = [sys.executable, "-m", "producer_sdk.gateway", "--redis-url", redis_url, "--port", str(port)]
+    cmd = [sys.executable, "-m", "gateway", "--redis-url", redis_url, "--port", str(port)]
     return subprocess.Popen(cmd, env={**os.environ, "PAGEDQ_LOG_LEVEL": "warning"})
 
 
