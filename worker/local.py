@@ -67,6 +67,16 @@ def start_gateway(redis_url: str, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, env={**os.environ, "PAGEDQ_LOG_LEVEL": "warning"})
 
 
+def gateway_missing() -> str | None:
+    """Why the gateway cannot run in this install (its extra is not installed), or None."""
+    import importlib.util
+
+    absent = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if absent:
+        return f"{' and '.join(absent)} not installed (pip install 'pagedq[gateway]', or --no-gateway)"
+    return None
+
+
 def wait_gateway(proc: subprocess.Popen, port: int, timeout: float = GATEWAY_START_S) -> str | None:
     """The gateway's base URL once it answers /health, or None if it exited or never answered."""
     deadline = time.monotonic() + timeout
@@ -136,6 +146,8 @@ def run_up(args: argparse.Namespace) -> int:
 
             if port_in_use(args.gateway_port):
                 say(f"port {args.gateway_port} is taken: {_GATEWAY_PORT_HINT}; going on without a gateway")
+            elif missing := gateway_missing():
+                say(f"no gateway: {missing}; going on without it")
             else:
                 gateway = start_gateway(redis_url, args.gateway_port)  # starts while the model loads
         model = args.model
