@@ -6,10 +6,10 @@
 # from the function to the module.
 from pagedq_kernels import paged_attention as _triton_attention_module  # noqa: F401
 from pagedq_kernels.cache_ops import copy_blocks
-from pagedq_kernels.decode import DecodeWorkspace, decode_num_partitions, reserve_decode_workspace
+from pagedq_kernels.decode import decode_num_partitions, reserve_decode_workspace
 from pagedq_kernels.dispatch import paged_attention, set_backend, use_backend, write_kv
 from pagedq_kernels.fused import add_rms_norm, rms_norm, rotary_embedding, rotary_write_kv, silu_and_mul
-from pagedq_kernels.metadata import AttentionMetadata
+from pagedq_kernels.metadata import AttentionMetadata, DecodeWorkspace
 
 __all__ = [
     "AttentionMetadata",

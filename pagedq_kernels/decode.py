@@ -15,12 +15,11 @@ what a CUDA-graph runner does) or a grow-only buffer cached per (device, heads, 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from pagedq_kernels.attend_tile import attend_tile
-from pagedq_kernels.metadata import AttentionMetadata
+from pagedq_kernels.metadata import AttentionMetadata, DecodeWorkspace
 from pagedq_kernels.triton_compat import cdiv, jit, next_power_of_2, tl
 
 # Decode is memory-bound: split contexts until there are about this many programs per SM, never into
@@ -194,29 +193,6 @@ def decode_num_partitions(num_decodes: int, num_kv_heads: int, device: torch.dev
     answer depends on the batch size alone."""
     wanted = cdiv(PROGRAMS_PER_SM * _num_sms(torch.device(device)), max(1, num_decodes * num_kv_heads))
     return max(1, min(wanted, MAX_PARTITIONS, cdiv(max_seq_len, MIN_PARTITION)))
-
-
-@dataclass
-class DecodeWorkspace:
-    """Partial outputs of split decodes: `part_out` fp32 `[rows, Hq, D]`, `part_lse` fp32 `[rows, Hq]`;
-    a decode batch of n requests split into P partitions uses rows `[0, n * P)`."""
-
-    part_out: torch.Tensor
-    part_lse: torch.Tensor
-
-    @classmethod
-    def allocate(cls, rows: int, num_q_heads: int, head_dim: int, device: torch.device | str) -> DecodeWorkspace:
-        return cls(
-            torch.empty((rows, num_q_heads, head_dim), dtype=torch.float32, device=device),
-            torch.empty((rows, num_q_heads), dtype=torch.float32, device=device),
-        )
-
-    @property
-    def rows(self) -> int:
-        return self.part_out.shape[0]
-
-    def fits(self, rows: int, num_q_heads: int, head_dim: int) -> bool:
-        return self.rows >= rows and tuple(self.part_out.shape[1:]) == (num_q_heads, head_dim)
 
 
 _cached: dict[tuple, DecodeWorkspace] = {}

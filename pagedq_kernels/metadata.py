@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from pagedq_kernels.decode import DecodeWorkspace
+
+@dataclass
+class DecodeWorkspace:
+    """Partial outputs of split decodes: `part_out` fp32 `[rows, Hq, D]`, `part_lse` fp32 `[rows, Hq]`;
+    a decode batch of n requests split into P partitions uses rows `[0, n * P)`."""
+
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, num_q_heads: int, head_dim: int, device: torch.device | str) -> DecodeWorkspace:
+        return cls(
+            torch.empty((rows, num_q_heads, head_dim), dtype=torch.float32, device=device),
+            torch.empty((rows, num_q_heads), dtype=torch.float32, device=device),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.part_out.shape[0]
+
+    def fits(self, rows: int, num_q_heads: int, head_dim: int) -> bool:
+        return self.rows >= rows and tuple(self.part_out.shape[1:]) == (num_q_heads, head_dim)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import msgspec
 from producer_sdk import trace_context
 from producer_sdk._stream import Follower, translate_redis_error
 from producer_sdk.chat import Message, NamedToolChoice, ResponseFormat, Tool
-from producer_sdk.constants import DEFAULT_TENANT, UNFINISHED_TTL_S
+from producer_sdk.constants import UNFINISHED_TTL_S
 from producer_sdk.contract import keys, scripts
 from producer_sdk.errors import (
     ProtocolError,
@@ -27,37 +27,21 @@ from producer_sdk.errors import (
     RequestLost,
     ValidationError,
 )
+from producer_sdk.prepared import EnqueueResult, Prepared
 from producer_sdk.protocol import (
     PROTOCOL_VERSION,
     SAMPLING_FIELDS,
     ControlMessage,
     GenerateRequest,
     encode_control,
-    encode_request,
     now_ms,
     schema_error,
 )
+from producer_sdk.request_codec import encode_request
 from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate_tenant
 from producer_sdk.validation_chat import min_version
 
 # --- building a request ---------------------------------------------------------------------------
-
-
-class Prepared(msgspec.Struct):
-    """A checked, encoded request, ready for the enqueue script, and the tenant it counts under (it
-    travels in the entry, next to the payload)."""
-
-    request: GenerateRequest
-    payload: bytes
-    tenant: str = DEFAULT_TENANT
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def lane(self) -> str:
-        return self.request.lane
 
 
 def new_request_id() -> str:
@@ -211,11 +195,6 @@ def read_quotas(tenants: Sequence[str], replies: Sequence[Any]) -> dict[str, scr
 
 def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
-
-
-class EnqueueResult(msgspec.Struct):
-    duplicate: bool
-    entry_id: str | None
 
 
 def parse_enqueue_reply(reply: Any, p: Prepared) -> EnqueueResult:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis.exceptions as rex
 
@@ -26,6 +26,7 @@ from producer_sdk.errors import (
     RequestTimeout,
     StreamDiverged,
 )
+from producer_sdk.prepared import EnqueueResult, Prepared
 from producer_sdk.protocol import (
     Error,
     Finished,
@@ -38,9 +39,6 @@ from producer_sdk.protocol import (
     decode_event,
 )
 from producer_sdk.results import Choice, Chunk, Completion
-
-if TYPE_CHECKING:
-    from producer_sdk._core import EnqueueResult, Prepared
 
 # --- errors and backoff ---------------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from producer_sdk._core import EnqueueResult, Prepared, read_enqueue_reply
+from producer_sdk._core import read_enqueue_reply
 from producer_sdk.errors import ConnectionLost
+from producer_sdk.prepared import EnqueueResult, Prepared
 
 Send = Callable[[list[Prepared]], Awaitable[list[Any]]]
 

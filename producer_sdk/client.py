@@ -10,22 +10,25 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from producer_sdk import _core
+from producer_sdk import _core, _plans
 from producer_sdk._client_base import ClientBase, HandleState, ServedModel
-from producer_sdk._core import EnqueueResult, Prepared
 from producer_sdk._mux import StreamMux
-from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
 from producer_sdk._submit_batch import SubmitBatcher
 from producer_sdk.contract import keys, scripts, steps
 from producer_sdk.contract.cluster import is_cluster
 from producer_sdk.contract.redis_errors import RETRY_CANDIDATES, is_transient
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
+from producer_sdk.prepared import EnqueueResult, Prepared
 from producer_sdk.results import Chunk, Completion, QueueStats
+from producer_sdk.submit_options import GenerateOptions, SubmitOptions, split_wait
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 T = TypeVar("T")
 
@@ -99,10 +102,7 @@ class Handle(HandleState):
         while not f.done:
             try:
                 if f.needs_check:
-                    pipe = r.pipeline(transaction=False)
-                    _core.queue_liveness(pipe, f)
-                    liveness = await pipe.execute()
-                    if f.on_liveness(*liveness) == Follower.RESUBMIT:
+                    if f.on_liveness(*await _plans.run_async(_plans.liveness(f), r)) == Follower.RESUBMIT:
                         f.on_resubmitted(await self._resubmit())
                     continue
                 streams, count, block = f.xread_args()
@@ -190,25 +190,7 @@ class AsyncClient(ClientBase):
 
     # -- submitting --------------------------------------------------------------------------------
 
-    async def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_token_ids: Iterable[int] | None = None,
-        messages: Iterable[Mapping[str, Any]] | None = None,
-        tools: Iterable[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        parallel_tool_calls: bool = True,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: Any = None,
-        metadata: Mapping[str, str] | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        tenant: str | None = None,
-        **sampling: Any,
-    ) -> Handle:
+    async def submit(self, prompt: str | None = None, **options: Unpack[SubmitOptions]) -> Handle:
         """Enqueue a request and return its Handle at once.
 
         Exactly one of `prompt`, `prompt_token_ids`, `messages` (chat, OpenAI's message shape:
@@ -229,25 +211,7 @@ class AsyncClient(ClientBase):
         Raises ValidationError (nothing sent), QueueFull, RateLimited (the tenant is over its quota;
         `retry_after` seconds), AuthenticationFailed, ConnectionLost.
         """
-        p = self._prepare(
-            prompt,
-            dict(
-                prompt_token_ids=prompt_token_ids,
-                messages=messages,
-                tools=tools,
-                tool_choice=tool_choice,
-                response_format=response_format,
-                parallel_tool_calls=parallel_tool_calls,
-                request_id=request_id,
-                priority=priority,
-                deadline=deadline,
-                metadata=metadata,
-                traceparent=traceparent,
-                tracestate=tracestate,
-                tenant=tenant,
-                **sampling,
-            ),
-        )
+        p = self._prepare(prompt, dict(options))
         return self._new_handle(p, await self._enqueue(p))
 
     async def submit_many(self, items: Iterable[str | Mapping[str, Any]], **common: Any) -> list[Handle]:
@@ -266,38 +230,22 @@ class AsyncClient(ClientBase):
 
         return self._many_handles(prepared, await self._retry(run) if prepared else [])
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        timeout: float | None = None,
-        cancel_on_timeout: bool = False,
-        partial_ok: bool = False,
-        **kwargs: Any,
-    ) -> Completion:
+    async def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
         """Submit and wait for the Completion (`submit` arguments + those of `Handle.result`)."""
-        handle = await self.submit(prompt, **kwargs)
-        return await handle.result(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+        wait = split_wait(options)
+        handle = await self.submit(prompt, **options)
+        return await handle.result(**wait)
 
-    async def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        timeout: float | None = None,
-        cancel_on_timeout: bool = False,
-        partial_ok: bool = False,
-        **kwargs: Any,
-    ) -> AsyncIterator[Chunk]:
+    async def stream(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> AsyncIterator[Chunk]:
         """Submit and yield chunks: ``async for chunk in client.stream("Hi", max_tokens=32)``.
 
         Leaving the loop early (``break``, closing the iterator) cancels the request: nobody else
         holds its handle. Use `submit` + `Handle.stream` to keep it running.
         """
-        handle = await self.submit(prompt, **kwargs)
+        wait = split_wait(options)
+        handle = await self.submit(prompt, **options)
         try:
-            async with aclosing(
-                handle.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
-            ) as chunks:
+            async with aclosing(handle.stream(**wait)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except GeneratorExit:
@@ -309,37 +257,17 @@ class AsyncClient(ClientBase):
 
     async def cancel(self, request_id: str) -> None:
         """Set the cancel flag and notify the workers; the request ends with finish_reason abort."""
-
-        async def run() -> None:
-            for command in _core.cancel_commands(self.model, request_id, self._opts.result_ttl_s):
-                await self._redis.execute_command(*command)
-
-        await self._retry(run, request_id)
+        await self._run(lambda: _plans.cancel(self.model, request_id, self._opts.result_ttl_s), request_id)
 
     async def queue_stats(self) -> QueueStats:
         """Queue length per lane, dead letters, and the live workers with their load."""
-
-        async def run() -> QueueStats:
-            s = StatsReader(self.model)
-            pipe = self._redis.pipeline(transaction=False)
-            s.queue_reads(pipe)
-            state_keys = s.after_reads(await pipe.execute())
-            gone = s.after_states(await self._redis.mget(state_keys) if state_keys else [])
-            if gone:
-                await self._redis.zrem(s.heartbeats, *gone)
-            return s.stats()
-
-        return await self._retry(run)
+        return await self._run(lambda: _plans.queue_stats(self.model))
 
     # -- internals ---------------------------------------------------------------------------------
 
     async def served_models(self) -> list[ServedModel]:
         """The model names workers serve here (from their heartbeats), with when each was last seen."""
-
-        async def run() -> Any:
-            return await self._redis.zrange(keys.models(), 0, -1, withscores=True)
-
-        return self._models.update(await self._retry(run))
+        return self._models.update(await self._run(_plans.served_models))
 
     async def _check_model(self) -> None:
         if self._opts.check_model and not self._models.fresh(self.model):
@@ -374,11 +302,11 @@ class AsyncClient(ClientBase):
         return await self._retry(run, batch[0].request_id)
 
     async def _quotas(self, tenants: set[str]) -> dict[str, scripts.Quota]:
-        """The tenants' quotas as they are now (read before each enqueue, which applies them)."""
-        names = sorted(tenants)
-        pipe = self._redis.pipeline(transaction=False)
-        _core.queue_quota_reads(pipe, names)
-        return _core.read_quotas(names, await pipe.execute())
+        return await _plans.run_async(_plans.quotas(tenants), self._redis)
+
+    async def _run(self, plan: Callable[[], _plans.Plan[T]], request_id: str | None = None) -> T:
+        """Run a plan (`producer_sdk._plans`), afresh after each connection error."""
+        return await self._retry(lambda: _plans.run_async(plan(), self._redis), request_id)
 
     async def _retry(self, op: Callable[[], Awaitable[T]], request_id: str | None = None) -> T:
         """Run `op`, retrying on connection errors (every operation here is idempotent)."""

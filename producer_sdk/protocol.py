@@ -12,7 +12,7 @@ Events
 
 Error codes
     An `Error` event for a refused request carries the `code` of the `ProtocolError` that
-    `decode_request` raised: malformed | schema | unsupported_version | invalid | too_large.
+    `request_codec.decode_request` raised: malformed | schema | unsupported_version | invalid | too_large.
     The worker picks its own words for other failures (engine_error, max_deliveries,
     invalid_grammar, grammar_timeout, grammar_unsatisfiable, tools_unsupported, ...).
 
@@ -43,7 +43,7 @@ Strictness and evolution
   informative fields without breaking older SDKs; an event of an unknown `type` decodes as
   `UnknownEvent`, which readers skip.
 * Limits (`Limits`) are checked by the SDK before sending and by the worker on intake, with the
-  same `validate` function.
+  same `validate` function, inside `request_codec.encode_request` / `decode_request`.
 * Nothing here leaks msgspec's exception types: every failure is a `ProtocolError` subclass
   (`MalformedPayload`, `SchemaError`, `UnsupportedVersion`, `ValidationError`,
   `PayloadTooLarge`) with a message that names the field.
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
 
 import msgspec
 
@@ -76,12 +75,9 @@ from producer_sdk.constants import (
 from producer_sdk.contract.keys import lane_for_priority
 from producer_sdk.errors import (
     MalformedPayload,
-    PayloadTooLarge,
     ProtocolError,
     SchemaError,
-    UnsupportedVersion,
 )
-from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate
 
 
 def now_ms() -> int:
@@ -252,13 +248,8 @@ class WorkerState(msgspec.Struct, kw_only=True):
 # --- encode / decode ------------------------------------------------------------------------------
 
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(GenerateRequest, strict=True)
 _event_decoder = msgspec.msgpack.Decoder(Event, strict=True)
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage, strict=True)
-
-
-class _Envelope(msgspec.Struct):
-    v: Any = None
 
 
 _AT = re.compile(r"(?s)(.*?) - at `\$\.?([^`]*)`$")
@@ -280,47 +271,8 @@ def schema_error(exc: msgspec.ValidationError, what: str, cls: type[ProtocolErro
     return cls(f"invalid {what}{where}: {text}", field=path)
 
 
-def _malformed(exc: BaseException, what: str) -> MalformedPayload:
+def malformed(exc: BaseException, what: str) -> MalformedPayload:
     return MalformedPayload(f"{what} is not valid msgpack: {exc}")
-
-
-def encode_request(request: GenerateRequest, limits: Limits | None = DEFAULT_LIMITS) -> bytes:
-    """Validate (unless `limits` is None) and encode a request."""
-    if limits is not None:
-        validate(request, limits)
-    data = _encoder.encode(request)
-    if limits is not None and len(data) > limits.max_payload_bytes:
-        raise PayloadTooLarge(
-            f"request payload is {len(data)} bytes, more than the limit {limits.max_payload_bytes}",
-            field=None,
-        )
-    return data
-
-
-def decode_request(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
-    """Decode and validate a request payload; every failure is a `ProtocolError` subclass."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise MalformedPayload(f"request payload must be bytes, got {type(data).__name__}")
-    if len(data) > limits.max_payload_bytes:
-        raise PayloadTooLarge(f"request payload is {len(data)} bytes, more than the limit {limits.max_payload_bytes}")
-    try:
-        request = _request_decoder.decode(data)
-    except msgspec.ValidationError as e:
-        _raise_if_other_version(data)
-        raise schema_error(e, "request") from None
-    except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError) as e:
-        raise _malformed(e, "request payload") from None
-    return validate(request, limits)
-
-
-def _raise_if_other_version(data: bytes | bytearray | memoryview) -> None:
-    """A payload of another version fails the schema for that reason first: say so."""
-    try:
-        v = msgspec.msgpack.decode(data, type=_Envelope).v
-    except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError):
-        return
-    if type(v) is int and v not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersion(v, PROTOCOL_VERSION)
 
 
 def encode_event(event: Event) -> bytes:
@@ -347,7 +299,7 @@ def decode_event(data: bytes | bytearray | memoryview) -> Event | UnknownEvent:
             return UnknownEvent(seq=envelope.seq, type=envelope.type)
         raise schema_error(e, "response event") from None
     except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError) as e:
-        raise _malformed(e, "response event") from None
+        raise malformed(e, "response event") from None
 
 
 def encode_control(message: ControlMessage) -> bytes:
@@ -360,7 +312,7 @@ def decode_control(data: bytes | bytearray | memoryview) -> ControlMessage:
     except msgspec.ValidationError as e:
         raise schema_error(e, "control message") from None
     except (msgspec.MsgspecError, ValueError, RecursionError, OverflowError) as e:
-        raise _malformed(e, "control message") from None
+        raise malformed(e, "control message") from None
 
 
 __all__ = [
@@ -392,10 +344,8 @@ __all__ = [
     "WorkerState",
     "decode_control",
     "decode_event",
-    "decode_request",
     "encode_control",
     "encode_event",
-    "encode_request",
     "lane_for_priority",
     "now_ms",
     "schema_error",

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
-from producer_sdk import _core
+from producer_sdk import _core, _plans
 from producer_sdk._client_base import ClientBase, HandleState, ServedModel
-from producer_sdk._core import EnqueueResult, Prepared
-from producer_sdk._stats import StatsReader
 from producer_sdk._stream import Follower, outcome
-from producer_sdk.contract import keys, scripts, steps
+from producer_sdk.contract import scripts, steps
 from producer_sdk.contract.redis_errors import RETRY_CANDIDATES
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
+from producer_sdk.prepared import EnqueueResult, Prepared
 from producer_sdk.results import Chunk, Completion, QueueStats
+from producer_sdk.submit_options import GenerateOptions, SubmitOptions, split_wait
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 T = TypeVar("T")
 
@@ -71,10 +74,7 @@ class SyncHandle(HandleState):
         while not f.done:
             try:
                 if f.needs_check:
-                    pipe = r.pipeline(transaction=False)
-                    _core.queue_liveness(pipe, f)
-                    liveness = pipe.execute()
-                    if f.on_liveness(*liveness) == Follower.RESUBMIT:
+                    if f.on_liveness(*_plans.run_sync(_plans.liveness(f), r)) == Follower.RESUBMIT:
                         f.on_resubmitted(self._resubmit())
                     continue
                 streams, count, block = f.xread_args()
@@ -112,45 +112,9 @@ class Client(ClientBase):
     def ping(self) -> bool:
         return bool(self._retry(self._redis.ping))
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_token_ids: Iterable[int] | None = None,
-        messages: Iterable[Mapping[str, Any]] | None = None,
-        tools: Iterable[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        parallel_tool_calls: bool = True,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: Any = None,
-        metadata: Mapping[str, str] | None = None,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        tenant: str | None = None,
-        **sampling: Any,
-    ) -> SyncHandle:
+    def submit(self, prompt: str | None = None, **options: Unpack[SubmitOptions]) -> SyncHandle:
         """Enqueue a request; see `AsyncClient.submit`."""
-        p = self._prepare(
-            prompt,
-            dict(
-                prompt_token_ids=prompt_token_ids,
-                messages=messages,
-                tools=tools,
-                tool_choice=tool_choice,
-                response_format=response_format,
-                parallel_tool_calls=parallel_tool_calls,
-                request_id=request_id,
-                priority=priority,
-                deadline=deadline,
-                metadata=metadata,
-                traceparent=traceparent,
-                tracestate=tracestate,
-                tenant=tenant,
-                **sampling,
-            ),
-        )
+        p = self._prepare(prompt, dict(options))
         return self._new_handle(p, self._enqueue(p))
 
     def submit_many(self, items: Iterable[str | Mapping[str, Any]], **common: Any) -> list[SyncHandle]:
@@ -165,60 +129,31 @@ class Client(ClientBase):
 
         return self._many_handles(prepared, self._retry(run) if prepared else [])
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        timeout: float | None = None,
-        cancel_on_timeout: bool = False,
-        partial_ok: bool = False,
-        **kwargs: Any,
-    ) -> Completion:
-        handle = self.submit(prompt, **kwargs)
-        return handle.result(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+    def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
+        wait = split_wait(options)
+        return self.submit(prompt, **options).result(**wait)
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        timeout: float | None = None,
-        cancel_on_timeout: bool = False,
-        partial_ok: bool = False,
-        **kwargs: Any,
-    ) -> Iterator[Chunk]:
+    def stream(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Iterator[Chunk]:
         """Submit and yield chunks; leaving the loop early cancels the request (see
         `AsyncClient.stream`)."""
-        handle = self.submit(prompt, **kwargs)
+        wait = split_wait(options)
+        handle = self.submit(prompt, **options)
         try:
-            yield from handle.stream(timeout, partial_ok=partial_ok, cancel_on_timeout=cancel_on_timeout)
+            yield from handle.stream(**wait)
         except GeneratorExit:
             if not handle.done:
                 self.cancel(handle.request_id)
             raise
 
     def cancel(self, request_id: str) -> None:
-        def run() -> None:
-            for command in _core.cancel_commands(self.model, request_id, self._opts.result_ttl_s):
-                self._redis.execute_command(*command)
-
-        self._retry(run, request_id)
+        self._run(lambda: _plans.cancel(self.model, request_id, self._opts.result_ttl_s), request_id)
 
     def queue_stats(self) -> QueueStats:
-        def run() -> QueueStats:
-            s = StatsReader(self.model)
-            pipe = self._redis.pipeline(transaction=False)
-            s.queue_reads(pipe)
-            state_keys = s.after_reads(pipe.execute())
-            gone = s.after_states(self._redis.mget(state_keys) if state_keys else [])
-            if gone:
-                self._redis.zrem(s.heartbeats, *gone)
-            return s.stats()
-
-        return self._retry(run)
+        return self._run(lambda: _plans.queue_stats(self.model))
 
     def served_models(self) -> list[ServedModel]:
         """The model names workers serve here (from their heartbeats), with when each was last seen."""
-        return self._models.update(self._retry(lambda: self._redis.zrange(keys.models(), 0, -1, withscores=True)))
+        return self._models.update(self._run(_plans.served_models))
 
     def _check_model(self) -> None:
         if self._opts.check_model and not self._models.fresh(self.model):
@@ -235,10 +170,11 @@ class Client(ClientBase):
         return _core.parse_enqueue_reply(self._retry(run, p.request_id), p)
 
     def _quotas(self, tenants: set[str]) -> dict[str, scripts.Quota]:
-        names = sorted(tenants)
-        pipe = self._redis.pipeline(transaction=False)
-        _core.queue_quota_reads(pipe, names)
-        return _core.read_quotas(names, pipe.execute())
+        return _plans.run_sync(_plans.quotas(tenants), self._redis)
+
+    def _run(self, plan: Callable[[], _plans.Plan[T]], request_id: str | None = None) -> T:
+        """Run a plan (`producer_sdk._plans`), afresh after each connection error."""
+        return self._retry(lambda: _plans.run_sync(plan(), self._redis), request_id)
 
     def _retry(self, op: Callable[[], T], request_id: str | None = None) -> T:
         backoff = self._opts.backoff()

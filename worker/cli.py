@@ -104,8 +104,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
-    from producer_sdk.gateway.config import GatewayConfig
-    from producer_sdk.gateway.server import run
+    from gateway.config import GatewayConfig
+    from gateway.server import run
     from worker.local import default_redis_url
 
     return run(GatewayConfig.from_cli_args(args, redis_url=args.redis_url or default_redis_url()))
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_args(up)
     up.set_defaults(func=_cmd_up, log_level="WARNING")
 
-    from producer_sdk.gateway.config import GatewayConfig
+    from gateway.config import GatewayConfig
 
     gateway = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway onto the queue (extra: gateway)")
     GatewayConfig.add_cli_args(gateway)

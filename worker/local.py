@@ -63,8 +63,18 @@ _GATEWAY_PORT_HINT = "choose another with --gateway-port PORT (or PAGEDQ_GATEWAY
 
 def start_gateway(redis_url: str, port: int) -> subprocess.Popen:
     """The gateway as a child process (it is one in production too; it never imports torch)."""
-    cmd = [sys.executable, "-m", "producer_sdk.gateway", "--redis-url", redis_url, "--port", str(port)]
+    cmd = [sys.executable, "-m", "gateway", "--redis-url", redis_url, "--port", str(port)]
     return subprocess.Popen(cmd, env={**os.environ, "PAGEDQ_LOG_LEVEL": "warning"})
+
+
+def gateway_missing() -> str | None:
+    """Why the gateway cannot run in this install (its extra is not installed), or None."""
+    import importlib.util
+
+    absent = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if absent:
+        return f"{' and '.join(absent)} not installed (pip install 'pagedq[gateway]', or --no-gateway)"
+    return None
 
 
 def wait_gateway(proc: subprocess.Popen, port: int, timeout: float = GATEWAY_START_S) -> str | None:
@@ -136,6 +146,8 @@ def run_up(args: argparse.Namespace) -> int:
 
             if port_in_use(args.gateway_port):
                 say(f"port {args.gateway_port} is taken: {_GATEWAY_PORT_HINT}; going on without a gateway")
+            elif missing := gateway_missing():
+                say(f"no gateway: {missing}; going on without it")
             else:
                 gateway = start_gateway(redis_url, args.gateway_port)  # starts while the model loads
         model = args.model

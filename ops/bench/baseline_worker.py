@@ -46,9 +46,9 @@ from producer_sdk.protocol import (
     Tokens,
     Usage,
     WorkerState,
-    decode_request,
     encode_event,
 )
+from producer_sdk.request_codec import decode_request
 
 STREAM_CAP = 100_000
 DEFAULT_MAX_TOKENS = 256

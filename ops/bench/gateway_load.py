@@ -1,7 +1,7 @@
 """`pagedq bench serve --via gateway`: the OpenAI-compatible gateway against the SDK path, in one run.
 
 One redis-server, one `pagedq` worker (the serve benchmark's engine options) and one gateway process
-(`python -m producer_sdk.gateway`) on the same Redis. Measured, the two paths alternating:
+(`python -m gateway`) on the same Redis. Measured, the two paths alternating:
 
 1. saturation: the `random` workload submitted at once, through the SDK (`producer_sdk.AsyncClient`)
    and through the gateway (streamed `POST /v1/completions` with the same token-id prompts, greedy,

@@ -23,7 +23,7 @@ class GatewayProcess:
         from worker.service.redis_proc import free_port
 
         self.port = free_port()
-        self.cmd = [sys.executable, "-m", "producer_sdk.gateway", "--redis-url", redis_url, "--port", str(self.port)]
+        self.cmd = [sys.executable, "-m", "gateway", "--redis-url", redis_url, "--port", str(self.port)]
         self.cmd += list(args)
         self.log_path = Path(tempfile.mkstemp(prefix="pagedq-bench-gateway-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None

@@ -20,7 +20,7 @@ def test_pip_install_without_extras_has_no_torch(tmp_path):
     # A copy of the sources, so the build leaves nothing behind in the checkout.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("producer_sdk", "worker", "pagedq_kernels", "pyproject.toml", "README.md"):
+    for name in ("producer_sdk", "gateway", "worker", "pagedq_kernels", "pyproject.toml", "README.md"):
         subprocess.run(["cp", "-r", str(ROOT / name), str(src)], check=True)
     out = subprocess.run([str(py), "-m", "pip", "install", "-q", str(src)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

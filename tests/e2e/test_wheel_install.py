@@ -24,7 +24,7 @@ from producer_sdk.contract import keys
 from producer_sdk.contract.connection import connect
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("producer_sdk", "worker", "pagedq_kernels")
+PACKAGES = ("producer_sdk", "gateway", "worker", "pagedq_kernels")
 
 
 def _data_files() -> set[str]:

@@ -1,4 +1,4 @@
-"""Real `python -m producer_sdk.gateway` processes, and a raw HTTP client for what the openai package
+"""Real `python -m gateway` processes, and a raw HTTP client for what the openai package
 does not do (SSE ids, Last-Event-ID, status codes and headers)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class GatewayProc:
         self.cmd = [
             sys.executable,
             "-m",
-            "producer_sdk.gateway",
+            "gateway",
             "--redis-url",
             redis_url,
             "--port",

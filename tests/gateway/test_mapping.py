@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from gateway import mapping, records
+from gateway.auth import KeyFileError, KeyRing
+from gateway.errors import ApiError
+from gateway.render import DONE, Renderer, request_id_of
 from producer_sdk.constants import REQUEST_ID_PATTERN
-from producer_sdk.gateway import mapping, records
-from producer_sdk.gateway.auth import KeyFileError, KeyRing
-from producer_sdk.gateway.errors import ApiError
-from producer_sdk.gateway.render import DONE, Renderer, request_id_of
 from producer_sdk.protocol import Usage
 from producer_sdk.results import Choice, Chunk, Completion
 

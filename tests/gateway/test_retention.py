@@ -11,7 +11,8 @@ from __future__ import annotations
 from producer_sdk import Client
 from producer_sdk.constants import DEFAULT_RESULT_TTL_S, UNFINISHED_TTL_S
 from producer_sdk.contract import keys, scripts, steps
-from producer_sdk.protocol import GenerateRequest, SamplingParams, encode_request
+from producer_sdk.protocol import GenerateRequest, SamplingParams
+from producer_sdk.request_codec import encode_request
 from tests.gateway.gateway_proc import GatewayProc, request
 from tests.service.worker_proc import wait_until
 

@@ -13,7 +13,8 @@ import torch
 from paged_cases import Case, Shape, case_from_shape, dense_attention, make_case, random_shape, rel_err
 
 from pagedq_kernels import AttentionMetadata, paged_attention, use_backend
-from pagedq_kernels.decode import MAX_PARTITIONS, DecodeWorkspace, decode_num_partitions
+from pagedq_kernels.decode import MAX_PARTITIONS, decode_num_partitions
+from pagedq_kernels.metadata import DecodeWorkspace
 from pagedq_kernels.paged_attention import paged_attention_triton
 from pagedq_kernels.reference import paged_attention_ref
 

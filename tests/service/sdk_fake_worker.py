@@ -36,10 +36,10 @@ from producer_sdk.protocol import (
     Tokens,
     Usage,
     decode_control,
-    decode_request,
     encode_event,
     now_ms,
 )
+from producer_sdk.request_codec import decode_request
 
 LANES = keys.LANES
 

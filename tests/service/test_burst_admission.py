@@ -17,7 +17,8 @@ import redis
 from producer_sdk import AsyncClient, Client
 from producer_sdk.contract import keys
 from producer_sdk.contract.connection import connect
-from producer_sdk.protocol import Finished, GenerateRequest, SamplingParams, encode_request
+from producer_sdk.protocol import Finished, GenerateRequest, SamplingParams
+from producer_sdk.request_codec import encode_request
 from producer_sdk.validation import DEFAULT_LIMITS
 from tests.service.worker_proc import WorkerProc, response_events, wait_until
 

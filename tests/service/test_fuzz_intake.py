@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from producer_sdk import Client
 from producer_sdk.contract import keys
 from producer_sdk.contract.connection import connect
-from producer_sdk.protocol import Error, Finished, GenerateRequest, Message, SamplingParams, encode_request
+from producer_sdk.protocol import Error, Finished, GenerateRequest, Message, SamplingParams
+from producer_sdk.request_codec import encode_request
 from producer_sdk.validation import DEFAULT_LIMITS
 from tests.service.worker_proc import WorkerProc, response_events, wait_until
 

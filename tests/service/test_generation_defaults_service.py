@@ -59,9 +59,9 @@ def test_unset_fields_take_the_models_defaults_and_set_ones_win(model_with_defau
 def test_the_gateway_and_the_sdk_send_only_what_the_client_set(body, temperature, repetition_penalty):
     """An OpenAI body's unset sampling fields reach the worker unset (absent from the payload), and a set
     one, at vLLM's default value too, is on the wire."""
+    from gateway import mapping
     from producer_sdk._core import build_request
-    from producer_sdk.gateway import mapping
-    from producer_sdk.protocol import decode_request
+    from producer_sdk.request_codec import decode_request
 
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}).encode()
     submit = mapping.map_chat(mapping.decode(mapping.CHAT, raw)).submit

@@ -16,8 +16,8 @@ from producer_sdk.protocol import (
     Started,
     Tokens,
     encode_event,
-    encode_request,
 )
+from producer_sdk.request_codec import encode_request
 from tests.service.worker_proc import WorkerProc, response_events, wait_until
 from worker.cli import main as pagedq
 

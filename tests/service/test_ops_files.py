@@ -234,7 +234,7 @@ def worker_exposition() -> str:
 
 
 def gateway_exposition() -> str:
-    from producer_sdk.gateway.metrics import GatewayMetrics
+    from gateway.metrics import GatewayMetrics
 
     return GatewayMetrics().render().decode()
 

@@ -29,9 +29,9 @@ from producer_sdk.protocol import (
     Finished,
     Started,
     Tokens,
-    decode_request,
     encode_event,
 )
+from producer_sdk.request_codec import decode_request
 
 MODEL = "default"
 

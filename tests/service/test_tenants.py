@@ -411,8 +411,8 @@ def test_entry_tenant_field():
 
 
 def test_gateway_keys_name_valid_tenants_and_rate_limited_is_openais_429():
-    from producer_sdk.gateway.auth import KeyEntry, KeyFileError, KeyRing
-    from producer_sdk.gateway.errors import from_sdk
+    from gateway.auth import KeyEntry, KeyFileError, KeyRing
+    from gateway.errors import from_sdk
 
     with pytest.raises(KeyFileError, match="tenant"):
         KeyRing({"sk-1": KeyEntry("team a")})

@@ -37,7 +37,7 @@ from producer_sdk.contract import keys
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "ops" / "README.md"])
 K8S = sorted((ROOT / "ops" / "k8s").glob("*.yaml"))
-PROJECT_PACKAGES = ("worker", "producer_sdk", "ops", "pagedq_kernels")
+PROJECT_PACKAGES = ("worker", "producer_sdk", "gateway", "ops", "pagedq_kernels")
 
 # Flags of other tools that the docs show. A flag here is never checked against pagedq's parsers, so keep it
 # to flags that no pagedq command has a near namesake of.
@@ -202,8 +202,8 @@ def command_for_module(module: str) -> Command | None:
         return pagedq_command()
     if module == "ops.bench":
         return bench_command()
-    if module == "producer_sdk.gateway":
-        from producer_sdk.gateway.server import build_parser
+    if module == "gateway":
+        from gateway.server import build_parser
 
         return from_parser(build_parser())
     assert importlib.util.find_spec(module) is not None, f"the docs run `python -m {module}`, which does not exist"
@@ -449,7 +449,7 @@ def test_every_worker_flag_but_log_json_reads_its_pagedq_variable(monkeypatch):
 def exported_metrics() -> frozenset[str]:
     """Every name a worker's or a gateway's /metrics can show (with the suffixes Prometheus adds), and the
     families' own names."""
-    from producer_sdk.gateway.metrics import GatewayMetrics
+    from gateway.metrics import GatewayMetrics
     from worker.service.metrics import WorkerMetrics
 
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}

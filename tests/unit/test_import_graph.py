@@ -1,17 +1,19 @@
 """The import graph, read from the source with `ast` (nothing is imported).
 
-Rules: no import cycle among the product's modules (producer_sdk/, worker/, pagedq_kernels/), nor among
-ops/'s; the product never imports `ops` (a source checkout's tooling, not installed) and never edits
-`sys.path`; the SDK stays torch-free: producer_sdk/ imports neither torch nor worker nor
-pagedq_kernels; the gateway (producer_sdk/gateway/) imports only the standard library, producer_sdk
-and the packages of the `gateway` extra, and the rest of the SDK imports none of those (an SDK-only
-install has them not). No top-level package of the checkout has the import name of an installed
-distribution: the checkout is first on `sys.path`, so it would shadow it (transformers 5.25 imports
-Hugging Face's `kernels`, which the old top-level `kernels/` hid).
+Rules: no import cycle among the product's modules (producer_sdk/, gateway/, worker/, pagedq_kernels/),
+nor among ops/'s; the top-level packages import only downward (ops -> worker and gateway -> producer_sdk;
+worker -> pagedq_kernels; `worker.cli`, the `pagedq` command in front of both, also starts the gateway);
+the product never imports `ops` (a source checkout's tooling, not installed) and never edits `sys.path`;
+the SDK stays torch-free: producer_sdk/ imports only the standard library and the base install's
+packages; the gateway imports only the standard library, producer_sdk and the packages of the `gateway`
+extra. No top-level package of the checkout has the import name of an installed distribution: the
+checkout is first on `sys.path`, so it would shadow it (transformers 5.25 imports Hugging Face's
+`kernels`, which the old top-level `kernels/` hid).
 
-Every import counts, at module level or inside a function, except those under `if TYPE_CHECKING:`
-(never run). An edge goes to the module an import names: `from a.b import c` to `a.b.c` when that is
-a module, else to `a.b`; parent packages' `__init__` are not added (every import would then close a
+Every import counts, at module level or inside a function, those under `if TYPE_CHECKING:` too: a
+type-only import is still a dependency, and a circle through one means a shared type sits on the wrong
+side of a seam. An edge goes to the module an import names: `from a.b import c` to `a.b.c` when that
+is a module, else to `a.b`; parent packages' `__init__` are not added (every import would then close a
 loop through its own package).
 """
 
@@ -28,9 +30,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("producer_sdk", "worker", "pagedq_kernels")
+PRODUCT = ("producer_sdk", "gateway", "worker", "pagedq_kernels")
 TOOLING = ("ops",)
-SDK_MUST_NOT_IMPORT = ("torch", "worker", "pagedq_kernels")
+SDK_MUST_NOT_IMPORT = ("torch", "worker", "pagedq_kernels", "gateway")
+# The top-level packages each may import: only the layers below it.
+LAYERS: dict[str, set[str]] = {
+    "producer_sdk": set(),
+    "pagedq_kernels": set(),
+    "gateway": {"producer_sdk"},
+    "worker": {"producer_sdk", "pagedq_kernels"},
+    "ops": {"producer_sdk", "pagedq_kernels", "gateway", "worker"},
+}
+# The `pagedq` command (worker/cli.py) fronts the gateway too: `pagedq gateway` runs it in-process.
+LAYER_EXCEPTIONS = {("worker.cli", "gateway")}
 SDK_DEPENDENCIES = ("redis", "msgspec")  # the base install
 # import name -> distribution in the `gateway` extra of pyproject.toml
 GATEWAY_DEPENDENCIES = {"starlette": "starlette", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
@@ -59,12 +71,6 @@ def find_modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
     package = module.split(".") if is_package else module.split(".")[:-1]
     if level > 1:
@@ -79,10 +85,6 @@ def imports_of(module: str, path: Path) -> list[Import]:
     found: list[Import] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:  # the body never runs
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.extend(Import(module, a.name, a.name, node.lineno) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -256,30 +258,43 @@ def test_the_product_never_edits_sys_path():
     assert not bad, "sys.path used in the product:\n  " + "\n  ".join(bad)
 
 
-def test_the_sdk_imports_no_torch_worker_or_kernels():
+def test_the_sdk_imports_no_torch_worker_gateway_or_kernels():
     bad = [i for i in _all_imports(["producer_sdk"]) if i.name.split(".")[0] in SDK_MUST_NOT_IMPORT]
-    assert not bad, "producer_sdk must stay torch-free:\n  " + "\n  ".join(
+    assert not bad, "producer_sdk must stay torch-free and server-free:\n  " + "\n  ".join(
         f"{i.importer} line {i.line}: {i.name}" for i in bad
     )
 
 
+def upward_imports(root: Path, layers: dict[str, set[str]], exceptions=frozenset()) -> list[str]:
+    """Imports of a top-level package by one that is not above it (`LAYERS`)."""
+    bad = []
+    for module, path in find_modules(root, layers).items():
+        top = module.split(".")[0]
+        for imp in imports_of(module, path):
+            target = imp.name.split(".")[0]
+            upward = target in layers and target != top and target not in layers[top]
+            if upward and (module, target) not in exceptions:
+                bad.append(f"{module} line {imp.line}: {imp.name}")
+    return bad
+
+
+def test_the_top_level_packages_import_only_downward():
+    bad = upward_imports(ROOT, LAYERS, LAYER_EXCEPTIONS)
+    assert not bad, "imports against the layering (ops -> worker, gateway -> producer_sdk):\n  " + "\n  ".join(bad)
+
+
 def test_the_gateway_imports_only_the_sdk_and_its_extra():
-    allowed = {*sys.stdlib_module_names, "producer_sdk", *SDK_DEPENDENCIES, *GATEWAY_DEPENDENCIES}
-    gateway = [i for i in _all_imports(["producer_sdk"]) if i.importer.startswith("producer_sdk.gateway")]
-    assert gateway, "producer_sdk/gateway/ not found"
+    allowed = {*sys.stdlib_module_names, "gateway", "producer_sdk", *SDK_DEPENDENCIES, *GATEWAY_DEPENDENCIES}
+    gateway = _all_imports(["gateway"])
+    assert gateway, "gateway/ not found"
     bad = [i for i in gateway if i.name.split(".")[0] not in allowed]
     assert not bad, "the gateway imports outside the SDK and its extra:\n  " + "\n  ".join(
         f"{i.importer} line {i.line}: {i.name}" for i in bad
     )
 
 
-def test_the_rest_of_the_sdk_needs_no_gateway_package():
-    bad = [
-        i
-        for i in _all_imports(["producer_sdk"])
-        if not i.importer.startswith("producer_sdk.gateway")
-        and (i.name.split(".")[0] in GATEWAY_DEPENDENCIES or i.name.startswith("producer_sdk.gateway"))
-    ]
+def test_the_sdk_needs_no_gateway_package():
+    bad = [i for i in _all_imports(["producer_sdk"]) if i.name.split(".")[0] in GATEWAY_DEPENDENCIES]
     assert not bad, "an SDK-only install lacks these:\n  " + "\n  ".join(
         f"{i.importer} line {i.line}: {i.name}" for i in bad
     )
@@ -320,7 +335,8 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     assert "pkg.d" not in found[0]
 
 
-def test_type_checking_imports_are_ignored_and_their_else_is_not(tmp_path):
+def test_a_cycle_through_type_checking_imports_is_found(tmp_path):
+    """A planted circle: a type-only import closes it."""
     _write(
         tmp_path,
         {
@@ -329,8 +345,25 @@ def test_type_checking_imports_are_ignored_and_their_else_is_not(tmp_path):
             "pkg/b.py": "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    from .a import x\n",
         },
     )
-    assert import_graph(tmp_path, ["pkg"]) == {"pkg": {}, "pkg.a": {}, "pkg.b": {"pkg.a": 5}}
-    assert not cycles(tmp_path, ["pkg"])
+    assert import_graph(tmp_path, ["pkg"]) == {"pkg": {}, "pkg.a": {"pkg.b": 3}, "pkg.b": {"pkg.a": 5}}
+    assert cycles(tmp_path, ["pkg"]) == ["pkg.a -> pkg.b (line 3 of pkg.a) -> pkg.a (line 5 of pkg.b)"]
+
+
+def test_an_upward_import_is_found(tmp_path):
+    """A planted import against the layering, and the one exception that lets a module through."""
+    _write(
+        tmp_path,
+        {
+            "low/__init__.py": "",
+            "low/m.py": "def f():\n    from high import thing\n",
+            "high/__init__.py": "import low.m\n",
+            "high/cli.py": "import side\n",
+            "side/__init__.py": "import low\n",
+        },
+    )
+    layers = {"low": set(), "side": {"low"}, "high": {"low"}}
+    assert upward_imports(tmp_path, layers) == ["low.m line 2: high.thing", "high.cli line 1: side"]
+    assert upward_imports(tmp_path, layers, {("high.cli", "side")}) == ["low.m line 2: high.thing"]
 
 
 def test_relative_and_package_imports_resolve(tmp_path):

@@ -38,12 +38,11 @@ from producer_sdk.protocol import (
     WorkerState,
     decode_control,
     decode_event,
-    decode_request,
     encode_control,
     encode_event,
-    encode_request,
     lane_for_priority,
 )
+from producer_sdk.request_codec import decode_request, encode_request
 from producer_sdk.validation import DEFAULT_LIMITS, Limits, validate
 
 RID = "req_0123456789abcdef"

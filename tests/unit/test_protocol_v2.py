@@ -32,11 +32,10 @@ from producer_sdk.protocol import (
     Tokens,
     UnknownEvent,
     decode_event,
-    decode_request,
     encode_event,
-    encode_request,
 )
 from producer_sdk.protocol import Finished as Fin
+from producer_sdk.request_codec import decode_request, encode_request
 
 RID = "req_0123456789abcdef"
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}

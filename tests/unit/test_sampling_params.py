@@ -8,7 +8,7 @@ import dataclasses
 import msgspec
 import pytest
 
-from producer_sdk import protocol, validation
+from producer_sdk import protocol, request_codec, validation
 from worker.engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, SamplingParamsError
 
 ENGINE_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
@@ -61,7 +61,7 @@ def test_every_wire_field_reaches_the_engine():
 
 def test_from_wire_after_a_wire_round_trip_keeps_the_wire_defaults():
     request = protocol.GenerateRequest(v=protocol.PROTOCOL_VERSION, request_id="r" * 8, prompt="hi")
-    decoded = protocol.decode_request(protocol.encode_request(request))
+    decoded = request_codec.decode_request(request_codec.encode_request(request))
     assert SamplingParams.from_wire(decoded.sampling).max_tokens == 256
 
 

@@ -11,7 +11,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from producer_sdk._core import build_request
 from producer_sdk.errors import ValidationError
-from producer_sdk.protocol import GenerateRequest, decode_request, encode_request
+from producer_sdk.protocol import GenerateRequest
+from producer_sdk.request_codec import decode_request, encode_request
 
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -28,7 +28,8 @@ from producer_sdk.contract import keys, scripts, steps
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD
 from producer_sdk.contract.redis_errors import is_transient
 from producer_sdk.errors import MalformedPayload, ProtocolError
-from producer_sdk.protocol import Finished, GenerateRequest, decode_request, encode_request
+from producer_sdk.protocol import Finished, GenerateRequest
+from producer_sdk.request_codec import decode_request, encode_request
 from producer_sdk.validation import Limits
 from worker.engine.engine import LLMEngine
 from worker.engine.errors import RequestError

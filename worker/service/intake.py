@@ -31,7 +31,7 @@ from redis.exceptions import ResponseError
 from producer_sdk.contract import keys
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD
 from producer_sdk.contract.redis_errors import is_transient
-from producer_sdk.protocol import decode_request
+from producer_sdk.request_codec import decode_request
 from worker.service.admission import Admission
 from worker.service.fair_queue import FairQueue
 from worker.service.inflight import Entry, EntryKey

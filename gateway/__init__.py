@@ -6,6 +6,6 @@ SSE chunks. It is stateless (all state lives in Redis), so any number can run si
 stream one gateway began can be resumed on another. It imports the SDK and its HTTP stack
 (Starlette, uvicorn, prometheus-client), never torch or `worker`.
 
-    from producer_sdk.gateway.app import create_app      # the ASGI app
-    from producer_sdk.gateway.server import run, main    # a process
+    from gateway.app import create_app      # the ASGI app
+    from gateway.server import run, main    # a process
 """

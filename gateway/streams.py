@@ -13,12 +13,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from gateway import errors
+from gateway.metrics import GatewayMetrics
+from gateway.render import DONE, Renderer, error_frame
 from producer_sdk._stream import Follower
 from producer_sdk.client import Handle
 from producer_sdk.errors import PagedqError
-from producer_sdk.gateway import errors
-from producer_sdk.gateway.metrics import GatewayMetrics
-from producer_sdk.gateway.render import DONE, Renderer, error_frame
 from producer_sdk.results import Chunk, Completion
 
 log = logging.getLogger("pagedq.gateway")

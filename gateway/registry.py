@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
+from gateway import errors
 from producer_sdk.contract import keys
-from producer_sdk.gateway import errors
 
 
 class LiveWorker(msgspec.Struct):

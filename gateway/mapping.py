@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from producer_sdk.gateway import errors, mapping_chat
-from producer_sdk.gateway.schemas import (
+from gateway import errors, mapping_chat
+from gateway.schemas import (
     CHAT_UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,

@@ -1,6 +1,6 @@
 """Running one gateway process: bind, serve with uvicorn, stop on SIGINT/SIGTERM.
 
-`pagedq gateway ...` and `python -m producer_sdk.gateway ...` both end here.
+`pagedq gateway ...` and `python -m gateway ...` both end here.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import socket
 import sys
 
+from gateway.config import GatewayConfig
 from producer_sdk.contract.connection import redact_url
-from producer_sdk.gateway.config import GatewayConfig
 
 GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long to end before their connections are closed
 
@@ -49,8 +49,8 @@ def run(config: GatewayConfig) -> int:
     try:
         import uvicorn
 
-        from producer_sdk.gateway.app import create_app
-        from producer_sdk.gateway.auth import KeyFileError
+        from gateway.app import create_app
+        from gateway.auth import KeyFileError
     except ImportError as e:
         say(f"error: {e.name} is missing: install the gateway extra (pip install 'pagedq[gateway]')")
         return 2

@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.mapping import CHAT
 from producer_sdk.chat import ToolCall, ToolCallDelta
-from producer_sdk.gateway.mapping import CHAT
 from producer_sdk.protocol import Usage
 from producer_sdk.results import Chunk, Completion
 

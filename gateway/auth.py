@@ -20,8 +20,8 @@ from pathlib import Path
 
 import msgspec
 
+from gateway import errors
 from producer_sdk.constants import TENANT_PATTERN
-from producer_sdk.gateway import errors
 
 
 class KeyEntry(msgspec.Struct, forbid_unknown_fields=True):

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from producer_sdk.gateway import errors
-from producer_sdk.gateway.schemas import ChatMessage
+from gateway import errors
+from gateway.schemas import ChatMessage
 
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name of the system role
 # Errors a worker reports about a request's output constraint: the client's to fix (a 400).

@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
-from producer_sdk.gateway.errors import ErrorBody
-from producer_sdk.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.errors import ErrorBody
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 TITLE = "pagedq gateway (OpenAI-compatible)"
 _ENDPOINTS = [

@@ -23,19 +23,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway import errors, mapping, records
+from gateway.auth import ANONYMOUS, Caller, KeyRing
+from gateway.config import GatewayConfig
+from gateway.metrics import CountRequests, GatewayMetrics
+from gateway.registry import Registry
+from gateway.render import Renderer, request_id_of
+from gateway.streams import Clock, EventStream, Reading, sse_frames, until_done_or_gone
 from producer_sdk.client import AsyncClient
 from producer_sdk.constants import REQUEST_ID_PATTERN, UNFINISHED_TTL_S
 from producer_sdk.contract import keys
 from producer_sdk.contract.connection import connect
 from producer_sdk.contract.redis_errors import REDIS_ERRORS
 from producer_sdk.errors import DeadlineExceeded, PagedqError
-from producer_sdk.gateway import errors, mapping, records
-from producer_sdk.gateway.auth import ANONYMOUS, Caller, KeyRing
-from producer_sdk.gateway.config import GatewayConfig
-from producer_sdk.gateway.metrics import CountRequests, GatewayMetrics
-from producer_sdk.gateway.registry import Registry
-from producer_sdk.gateway.render import Renderer, request_id_of
-from producer_sdk.gateway.streams import Clock, EventStream, Reading, sse_frames, until_done_or_gone
 from producer_sdk.validation import trace_context_problems
 
 log = logging.getLogger("pagedq.gateway")
@@ -335,7 +335,7 @@ def _guarded(handler):
 
 def create_app(config: GatewayConfig, redis: Any = None) -> Any:
     """The ASGI application of one gateway (counted by the metrics middleware)."""
-    from producer_sdk.gateway.openapi import docs_routes
+    from gateway.openapi import docs_routes
 
     gw = Gateway(config, redis)
     chat, completion = mapping.CHAT, mapping.COMPLETION
