@@ -316,7 +316,7 @@ def fill_wheels(base: str, torch_spec: str) -> None:
     with tempfile.TemporaryDirectory(prefix="pagedq-wheels-") as tmp:
         # The project's metadata only (as in ops/Dockerfile): pyproject.toml and empty packages.
         src = Path(tmp) / "src"
-        for pkg in ("producer_sdk", "worker", "pagedq_kernels"):
+        for pkg in ("producer_sdk", "gateway", "worker", "pagedq_kernels"):
             (src / pkg).mkdir(parents=True)
             (src / pkg / "__init__.py").touch()
         shutil.copy(ROOT / "pyproject.toml", src)
