@@ -42,7 +42,10 @@ LAYERS: dict[str, set[str]] = {
     "ops": {"producer_sdk", "pagedq_kernels", "gateway", "worker"},
 }
 # The `pagedq` command (worker/cli.py) fronts the gateway too: `pagedq gateway` runs it in-process.
-LAYER_EXCEPTIONS = {("worker.cli", "gateway")}
+# `producer_sdk.gateway`, where the gateway lived before it became its own package: a deprecated
+# re-export of `gateway` for one release, so old imports and `python -m producer_sdk.gateway` still work.
+DEPRECATED_SHIMS = ("producer_sdk.gateway", "producer_sdk.gateway.__main__")
+LAYER_EXCEPTIONS = {("worker.cli", "gateway"), *((shim, "gateway") for shim in DEPRECATED_SHIMS)}
 SDK_DEPENDENCIES = ("redis", "msgspec")  # the base install
 # import name -> distribution in the `gateway` extra of pyproject.toml
 GATEWAY_DEPENDENCIES = {"starlette": "starlette", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
@@ -259,7 +262,8 @@ def test_the_product_never_edits_sys_path():
 
 
 def test_the_sdk_imports_no_torch_worker_gateway_or_kernels():
-    bad = [i for i in _all_imports(["producer_sdk"]) if i.name.split(".")[0] in SDK_MUST_NOT_IMPORT]
+    sdk = [i for i in _all_imports(["producer_sdk"]) if i.importer not in DEPRECATED_SHIMS]
+    bad = [i for i in sdk if i.name.split(".")[0] in SDK_MUST_NOT_IMPORT]
     assert not bad, "producer_sdk must stay torch-free and server-free:\n  " + "\n  ".join(
         f"{i.importer} line {i.line}: {i.name}" for i in bad
     )
