@@ -18,6 +18,7 @@ import msgspec
 
 from gateway import errors
 from producer_sdk.contract import keys
+from producer_sdk.contract.replies import as_text
 
 
 class LiveWorker(msgspec.Struct):
@@ -53,10 +54,6 @@ class ModelView(msgspec.Struct):
         return (min(starts) if starts else self.last_seen_ms) // 1000
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 class Registry:
     def __init__(self, redis: Any, *, refresh_s: float = 1.0, min_forced_s: float = 0.1) -> None:
         self.redis = redis
@@ -78,16 +75,20 @@ class Registry:
 
     async def _read(self) -> dict[str, ModelView]:
         names = await self.redis.zrange(keys.models(), 0, -1, withscores=True)
-        views = {_s(n): ModelView(_s(n), int(score)) for n, score in names}
+        views = {as_text(n): ModelView(as_text(n), int(score)) for n, score in names}
         pipe = self.redis.pipeline(transaction=False)
         for name in views:
             pipe.zrange(keys.heartbeats(name), 0, -1)
         members = await pipe.execute() if views else []
-        state_keys = [(name, _s(w)) for name, ws in zip(views, members) for w in ws]
+        state_keys = [(name, as_text(w)) for name, ws in zip(views, members) for w in ws]
         # One MGET per model, concurrently: each model's keys share a hash slot (a cluster pipeline takes
         # no MGET).
         batches = await asyncio.gather(
-            *(self.redis.mget([keys.worker_state(name, _s(w)) for w in ws]) for name, ws in zip(views, members) if ws)
+            *(
+                self.redis.mget([keys.worker_state(name, as_text(w)) for w in ws])
+                for name, ws in zip(views, members)
+                if ws
+            )
         )
         states = [raw for batch in batches for raw in batch]
         for (model, name), raw in zip(state_keys, states):

@@ -22,6 +22,7 @@ from producer_sdk.constants import DEFAULT_RESULT_TTL_S, DEFAULT_TENANT
 from producer_sdk.contract import scripts, steps
 from producer_sdk.contract.cluster import decodes_responses, socket_timeout
 from producer_sdk.contract.connection import client_options, redis_from_url
+from producer_sdk.contract.replies import as_text
 from producer_sdk.errors import (
     ModelNotFound,
     RequestFailed,
@@ -56,17 +57,13 @@ class ModelRegistryView:
         return time.monotonic() - self._read_at < MODEL_CHECK_TTL_S and any(m.name == model for m in self.models)
 
     def update(self, members: Any) -> list[ServedModel]:
-        self.models = sorted((ServedModel(_text(name), int(score)) for name, score in members), key=lambda m: m.name)
+        self.models = sorted((ServedModel(as_text(name), int(score)) for name, score in members), key=lambda m: m.name)
         self._read_at = time.monotonic()
         return self.models
 
     def check(self, model: str) -> None:
         if not any(m.name == model for m in self.models):
             raise ModelNotFound(model, [m.name for m in self.models])
-
-
-def _text(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 # --- client options -------------------------------------------------------------------------------

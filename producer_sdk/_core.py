@@ -193,10 +193,6 @@ def read_quotas(tenants: Sequence[str], replies: Sequence[Any]) -> dict[str, scr
     return {t: scripts.read_quota(r) for t, r in zip(tenants, replies, strict=True)}
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 def parse_enqueue_reply(reply: Any, p: Prepared) -> EnqueueResult:
     """Interpret the script's reply; raise QueueFull for a full queue, RateLimited for a tenant over
     its quota."""

@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
-from producer_sdk._core import _s
 from producer_sdk.contract import keys
+from producer_sdk.contract.replies import as_text
 from producer_sdk.protocol import (
     WorkerState,
     now_ms,
@@ -52,7 +52,7 @@ class StatsReader:
         self._lanes = [int(x) for x in lanes]
         self._dead = int(dead)
         self._limit = limit
-        self._members = [(_s(m), float(score)) for m, score in members]
+        self._members = [(as_text(m), float(score)) for m, score in members]
         return [keys.worker_state(self.model, name) for name, _ in self._members]
 
     def after_states(self, values: Sequence[Any]) -> list[str]:

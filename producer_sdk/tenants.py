@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from producer_sdk.contract import keys, scripts, steps
+from producer_sdk.contract.replies import as_text
 from producer_sdk.validation import validate_tenant
 
 
@@ -43,10 +44,6 @@ def _int(raw: Any) -> int:
         return max(0, int(raw))
     except (TypeError, ValueError):
         return 0
-
-
-def _text(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def set_quota(
@@ -93,11 +90,11 @@ def get_quota(r: Any, tenant: str) -> TenantQuota:
 
 def quota_tenants(r: Any) -> list[str]:
     """The tenants that have a quota, sorted."""
-    return sorted(_text(t) for t in r.smembers(keys.tenants()))
+    return sorted(as_text(t) for t in r.smembers(keys.tenants()))
 
 
 def served_models(r: Any) -> list[str]:
-    return sorted(_text(m) for m in r.zrange(keys.models(), 0, -1))
+    return sorted(as_text(m) for m in r.zrange(keys.models(), 0, -1))
 
 
 def usage(r: Any, models: Iterable[str] | None = None, tenants: Iterable[str] | None = None) -> list[TenantUsage]:
@@ -108,7 +105,7 @@ def usage(r: Any, models: Iterable[str] | None = None, tenants: Iterable[str] | 
     for model in models:
         for tenant, n in r.hgetall(keys.tenant_queued(model)).items():
             if _int(n) > 0:
-                counts.setdefault(_text(tenant), {})[model] = _int(n)
+                counts.setdefault(as_text(tenant), {})[model] = _int(n)
     names = sorted(set(quota_tenants(r)) | set(counts)) if tenants is None else [validate_tenant(t) for t in tenants]
     seconds, micros = r.time()
     window = (int(seconds) * 1000 + int(micros) // 1000) // scripts.RATE_WINDOW_MS
@@ -150,7 +147,7 @@ MAX_WEIGHT = 1_000_000.0
 def parse_weight(raw: Any) -> float:
     """A stored weight, or DEFAULT_WEIGHT when absent or not a number in (0, MAX_WEIGHT]."""
     try:
-        w = float(_text(raw)) if raw is not None else DEFAULT_WEIGHT
+        w = float(as_text(raw)) if raw is not None else DEFAULT_WEIGHT
     except ValueError:
         return DEFAULT_WEIGHT
     return w if 0 < w <= MAX_WEIGHT else DEFAULT_WEIGHT

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from producer_sdk.contract import keys
+from producer_sdk.contract.replies import as_text
 
 _OLD_MODEL_KEYS = {  # suffix of pagedq:<model>: -> the new key
     "requests": lambda m: keys.lane_stream(m, "normal"),
@@ -38,18 +39,14 @@ class Migration(msgspec.Struct):
     models: list[str] = msgspec.field(default_factory=list)
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 def _scan(r: Any, pattern: str) -> Iterator[str]:
     for key in r.scan_iter(match=pattern, count=1000):
-        yield _s(key)
+        yield as_text(key)
 
 
 def old_models(r: Any) -> list[str]:
     """Model names with keys in the old layout (or in the served-model registry)."""
-    names = {_s(m) for m in r.zrange(keys.models(), 0, -1)}
+    names = {as_text(m) for m in r.zrange(keys.models(), 0, -1)}
     for key in _scan(r, f"{keys.PREFIX}:*:requests*"):
         middle = key[len(keys.PREFIX) + 1 :].rsplit(":requests", 1)[0]
         if middle and "{" not in middle:

@@ -15,6 +15,7 @@ import msgspec
 
 from producer_sdk.constants import DEFAULT_TENANT
 from producer_sdk.contract import keys
+from producer_sdk.contract.replies import as_text
 
 LIBRARY = resources.files("producer_sdk.contract").joinpath("pagedq.lua").read_text(encoding="utf-8")
 
@@ -36,10 +37,6 @@ HANDOVER_IDLE_MS = 10**12  # "idle forever": the next XAUTOCLAIM of any worker t
 RATE_WINDOW_MS = 60_000  # the window of a tenant's requests_per_minute and tokens_per_minute
 QUEUED_RETRY_AFTER_MS = 1_000  # the retry-after answered when a tenant's max_queued is reached
 QUOTA_FIELDS = ("max_queued", "requests_per_minute", "tokens_per_minute")  # of keys.tenant_quota(tenant)
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def _int(raw: Any) -> int:
@@ -107,14 +104,14 @@ class EnqueueReply(msgspec.Struct, frozen=True):
 
 
 def read_enqueue(reply: Sequence[Any]) -> EnqueueReply:
-    status = _s(reply[0])
+    status = as_text(reply[0])
     if status == "ok":
-        return EnqueueReply(status, entry_id=_s(reply[1]))
+        return EnqueueReply(status, entry_id=as_text(reply[1]))
     if status == "full":
         return EnqueueReply(status, queued=int(reply[1]), limit=int(reply[2]))
     if status == "limited":
         return EnqueueReply(
-            status, queued=int(reply[2]), limit=int(reply[3]), quota=_s(reply[1]), retry_after_ms=int(reply[4])
+            status, queued=int(reply[2]), limit=int(reply[3]), quota=as_text(reply[1]), retry_after_ms=int(reply[4])
         )
     if status == "duplicate":
         return EnqueueReply(status)
@@ -141,11 +138,11 @@ class AcquireReply(msgspec.Struct, frozen=True):
 
 
 def read_acquire(reply: Sequence[Any]) -> AcquireReply:
-    status = _s(reply[0])
+    status = as_text(reply[0])
     if status == "ok":
         return AcquireReply(True)
     if status == "stale":
-        return AcquireReply(False, _s(reply[1]), _s(reply[2]))
+        return AcquireReply(False, as_text(reply[1]), as_text(reply[2]))
     raise ValueError(f"unexpected reply from the acquire script: {reply!r}")
 
 
@@ -212,7 +209,7 @@ class PublishReply(msgspec.Struct, frozen=True):
 
 
 def read_publish(reply: Sequence[Any]) -> PublishReply:
-    status = _s(reply[0])
+    status = as_text(reply[0])
     if status not in ("ok", "lost", "gap"):
         raise ValueError(f"unexpected reply from the publish script: {reply!r}")
     return PublishReply(status, int(reply[1]))
@@ -268,7 +265,7 @@ def claim_own_call(
 
 def read_claim_own(reply: Sequence[Any]) -> set[str]:
     """The entry ids the consumer no longer owns."""
-    return {_s(x) for x in reply}
+    return {as_text(x) for x in reply}
 
 
 def recount_call(model: str) -> tuple[list[str], list[Any]]:
@@ -277,4 +274,4 @@ def recount_call(model: str) -> tuple[list[str], list[Any]]:
 
 def read_recount(reply: Sequence[Any]) -> dict[str, int]:
     """Tenant -> outstanding entries, as counted again."""
-    return {_s(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+    return {as_text(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}

@@ -31,6 +31,7 @@ from redis.exceptions import ResponseError
 from producer_sdk.contract import keys
 from producer_sdk.contract.keys import ENTRY_DATA_FIELD
 from producer_sdk.contract.redis_errors import is_transient
+from producer_sdk.contract.replies import as_text
 from producer_sdk.request_codec import decode_request
 from worker.service.admission import Admission
 from worker.service.fair_queue import FairQueue
@@ -252,7 +253,7 @@ class Intake:
                 await self.redis.xack(stream, self.group, *deleted)
             if not claimed:
                 continue
-            ids = [_s(entry_id) for entry_id, _ in claimed]
+            ids = [as_text(entry_id) for entry_id, _ in claimed]
             counts = await self._deliveries(stream, ids)
             out += [
                 Entry(lane, stream, eid, fields or {}, counts.get(eid, 1)) for eid, (_, fields) in zip(ids, claimed)
@@ -289,11 +290,7 @@ class Intake:
         lane_of = {s: lane for lane, s in self.streams.items()}
         out = []
         for stream, items in reply or []:
-            stream = _s(stream)
+            stream = as_text(stream)
             for entry_id, fields in items:
-                out.append(Entry(lane_of[stream], stream, _s(entry_id), fields or {}))
+                out.append(Entry(lane_of[stream], stream, as_text(entry_id), fields or {}))
         return out
-
-
-def _s(x) -> str:
-    return x.decode() if isinstance(x, bytes) else x
