@@ -499,6 +499,10 @@ class Stack:
         logs = self.compose(["logs", "--no-color", "worker"], quiet=True)
         text = logs.stdout + logs.stderr
         check(KERNELS_UNAVAILABLE not in text, f"a worker logged {KERNELS_UNAVAILABLE!r}")
+        in_use = re.search(r"C\+\+ CPU kernels in use \([^)]*\)", text)
+        check(in_use is not None, "no worker logged its C++ CPU kernels in use")
+        if in_use.group(0) not in FACTS:
+            fact(in_use.group(0))
         check("Traceback" not in text, "a worker logged a traceback:\n" + text[-3000:])
 
     def running_requests(self, cid: str) -> float:
