@@ -590,7 +590,7 @@ def test_dockerfile_and_dockerignore():
 
     ignored = {line.strip() for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()}
     assert {".git", ".venv"} <= ignored
-    for needed in ("pyproject.toml", "producer_sdk", "worker", "pagedq_kernels", "README.md"):
+    for needed in ("pyproject.toml", "producer_sdk", "gateway", "worker", "pagedq_kernels", "README.md"):
         assert needed not in ignored
     # ops/ is left out but for the Dockerfile and the wheel folder that the pip steps mount.
     assert {"ops", "!ops/Dockerfile", "!ops/wheels"} <= ignored
@@ -622,6 +622,8 @@ def test_dockerfile_packaging():
     ext_dir = re.search(r"TORCH_EXTENSIONS_DIR=(\S+)", text)
     assert ext_dir and not ext_dir.group(1).startswith("/home/pagedq/.cache"), "outside a cache volume's reach"
     assert re.search(r'chown -R pagedq:pagedq [^\n]*"\$\{TORCH_EXTENSIONS_DIR\}"', text)
+    for package in ("producer_sdk", "gateway", "worker", "pagedq_kernels"):
+        assert re.search(rf"^COPY {package} \./{package}$", text, re.M), f"{package} is not in the image"
     build = text.index("python -m pagedq_kernels.build --all-isas")
     assert text.rindex("USER 10001:10001", 0, build) > text.index("COPY pagedq_kernels"), (
         "built after the source, as 10001"
