@@ -76,10 +76,10 @@ test: setup
 test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu tests/kernels tests/gpu
 
-# The CPU compose stack built and run for real (ops/compose_check.py: about 15 minutes the first time; needs
+# The CPU compose stack built and run for real (python -m ops.compose_check: about 15 minutes the first time; needs
 # Docker and the Compose plugin). Not part of `make test`. Results: ops/README.md, "The compose check".
 compose-check: $(STAMP)
-	$(PY) ops/compose_check.py
+	$(PY) -m ops.compose_check
 
 demo: setup
 	$(PY) -m worker.demo

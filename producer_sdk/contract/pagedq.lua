@@ -227,7 +227,7 @@ local function publish(KEYS, ARGV)
   if final then ttl = ARGV[5] end
   if redis.call('EXISTS', resp) == 1 then redis.call('PEXPIRE', resp, ttl) end
   redis.call('PEXPIRE', lease, ttl)
-  if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then redis.call('PEXPIRE', KEYS[3], ttl) end
+  if KEYS[3] then redis.call('PEXPIRE', KEYS[3], ttl) end  -- a no-op where there is no record
   return {'ok', math.max(last, first + n - 1)}
 end
 
