@@ -209,6 +209,7 @@ end
 local function publish(KEYS, ARGV)
   local resp, lease = KEYS[1], KEYS[2]
   local cap, first, final, n = tonumber(ARGV[3]), tonumber(ARGV[6]), ARGV[7] == '1', tonumber(ARGV[8])
+  local now = now_ms(0, true)  -- before any write (TIME): one absolute expiry for every key below
   local last = last_seq(resp)
   local held = redis.call('HMGET', lease, 'e', 'o')
   if held[1] ~= ARGV[2] or held[2] ~= ARGV[1] then return {'lost', last} end
@@ -223,11 +224,14 @@ local function publish(KEYS, ARGV)
       end
     end
   end
-  local ttl = ARGV[4]
-  if final then ttl = ARGV[5] end
-  if redis.call('EXISTS', resp) == 1 then redis.call('PEXPIRE', resp, ttl) end
-  redis.call('PEXPIRE', lease, ttl)
-  if KEYS[3] then redis.call('PEXPIRE', KEYS[3], ttl) end  -- a no-op where there is no record
+  local ttl = tonumber(ARGV[4])
+  if final then ttl = tonumber(ARGV[5]) end
+  -- PEXPIREAT to one instant (each PEXPIRE would read the clock anew); PEXPIRE if TIME was refused.
+  local cmd, at = 'PEXPIREAT', now + ttl
+  if now <= 0 then cmd, at = 'PEXPIRE', ttl end
+  if redis.call('EXISTS', resp) == 1 then redis.call(cmd, resp, at) end
+  redis.call(cmd, lease, at)
+  if KEYS[3] then redis.call(cmd, KEYS[3], at) end  -- a no-op where there is no record
   return {'ok', math.max(last, first + n - 1)}
 end
 
