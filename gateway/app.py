@@ -335,9 +335,11 @@ def _guarded(handler):
 
 def create_app(config: GatewayConfig, redis: Any = None) -> Any:
     """The ASGI application of one gateway (counted by the metrics middleware)."""
+    from gateway.batches.routes import BatchApi
     from gateway.openapi import docs_routes
 
     gw = Gateway(config, redis)
+    batches = BatchApi(gw)  # /v1/files, /v1/batches and the batch runner (docs/batch.md)
     chat, completion = mapping.CHAT, mapping.COMPLETION
     routes = [
         Route("/v1/chat/completions", _guarded(lambda r: gw.create(r, chat)), methods=["POST"]),
@@ -349,8 +351,13 @@ def create_app(config: GatewayConfig, redis: Any = None) -> Any:
         Route("/health", gw.health, methods=["GET"]),
         Route("/ready", gw.ready, methods=["GET"]),
         Route("/metrics", gw.prometheus, methods=["GET"]),
+        *batches.routes(_guarded),
         *docs_routes(),
     ]
-    app = Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={404: _http_error, 405: _http_error})
+    app = Starlette(
+        routes=routes,
+        lifespan=batches.lifespan(gw.lifespan),
+        exception_handlers={404: _http_error, 405: _http_error},
+    )
     app.state.gateway = gw
     return CountRequests(app, gw.metrics)

@@ -26,6 +26,9 @@ class GatewayConfig:
     queue_without_workers: bool = False
     result_ttl_s: float = DEFAULT_RESULT_TTL_S  # the requests' retention: docs/sdk.md
     max_body_bytes: int = 4 << 20
+    max_file_bytes: int = 32 << 20  # an uploaded file (/v1/files): docs/batch.md
+    batch_lease_s: float = 30.0  # a batch runner's lease: another gateway takes a batch over after it
+    batch_window: int = 256  # requests of one batch in flight at once
     request_timeout_s: float | None = None  # default deadline of every request (None: none)
     retry_after_s: int = 1
     registry_refresh_s: float = 1.0
@@ -64,6 +67,25 @@ class GatewayConfig:
         )
         g.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes") or 4 << 20), help="larger: 413")
         g.add_argument(
+            "--max-file-bytes",
+            type=int,
+            default=int(_env("max_file_bytes") or 32 << 20),
+            help="largest file POST /v1/files takes, in bytes (larger: 413); its bytes are kept in Redis",
+        )
+        g.add_argument(
+            "--batch-lease",
+            type=float,
+            default=float(_env("batch_lease") or 30.0),
+            help="seconds a gateway's claim on a batch lasts unrenewed: after a crash, another gateway (or "
+            "this one restarted) takes the batch over once it expired",
+        )
+        g.add_argument(
+            "--batch-window",
+            type=int,
+            default=int(_env("batch_window") or 256),
+            help="requests of one batch in flight at once (each batch's lines go on the low lane)",
+        )
+        g.add_argument(
             "--request-timeout",
             type=float,
             default=float(_env("request_timeout") or 0) or None,
@@ -83,6 +105,9 @@ class GatewayConfig:
             queue_without_workers=args.queue_without_workers,
             result_ttl_s=args.result_ttl,
             max_body_bytes=args.max_body_bytes,
+            max_file_bytes=args.max_file_bytes,
+            batch_lease_s=args.batch_lease,
+            batch_window=args.batch_window,
             request_timeout_s=args.request_timeout,
             retry_after_s=args.retry_after,
             log_level=args.log_level.lower(),

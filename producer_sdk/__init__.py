@@ -32,6 +32,7 @@ from producer_sdk.errors import (
 )
 
 if TYPE_CHECKING:
+    from producer_sdk.batch import BatchItem
     from producer_sdk.chat import Message, ResponseFormat, StructuredOutputsParams, Tool, ToolCall, ToolCallDelta
     from producer_sdk.client import AsyncClient, Handle
     from producer_sdk.protocol import SamplingParams, Timings, Usage, WorkerState
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "AsyncClient": "producer_sdk.client",
     "Handle": "producer_sdk.client",
+    "BatchItem": "producer_sdk.batch",
     "Client": "producer_sdk.sync",
     "SyncHandle": "producer_sdk.sync",
     "Chunk": "producer_sdk.results",
@@ -83,6 +85,7 @@ __all__ = [
     "AccessDenied",
     "AsyncClient",
     "AuthenticationFailed",
+    "BatchItem",
     "Cancelled",
     "Choice",
     "Chunk",

@@ -19,6 +19,7 @@ from producer_sdk._client_base import ClientBase, HandleState, ServedModel
 from producer_sdk._mux import StreamMux
 from producer_sdk._stream import Follower, outcome
 from producer_sdk._submit_batch import SubmitBatcher
+from producer_sdk.batch import DEFAULT_WINDOW, BatchItem, BatchRun
 from producer_sdk.contract import keys, scripts, steps
 from producer_sdk.contract.cluster import is_cluster
 from producer_sdk.contract.redis_errors import RETRY_CANDIDATES, is_transient
@@ -252,6 +253,15 @@ class AsyncClient(ClientBase):
             if not handle.done:
                 await self.cancel(handle.request_id)
             raise
+
+    def run_batch(self, items: Iterable[BatchItem | tuple], *, batch_id: str, window: int = DEFAULT_WINDOW) -> BatchRun:
+        """Run a batch on the low lane: ``async for custom_id, outcome in client.run_batch(items,
+        batch_id="nightly-1")``. `items` are `BatchItem(custom_id, submit_kwargs)` (or such pairs);
+        each is submitted with priority -1 under a request id derived from `batch_id` and its index,
+        at most `window` in flight; `outcome` is its Completion or its error (never raised). Running
+        the same items under the same `batch_id` again attaches to the requests already submitted
+        instead of running them twice (see `producer_sdk.batch`)."""
+        return BatchRun(self, items, batch_id, window)
 
     # -- control and stats -------------------------------------------------------------------------
 

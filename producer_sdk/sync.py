@@ -14,6 +14,7 @@ import redis
 from producer_sdk import _core, _plans
 from producer_sdk._client_base import ClientBase, HandleState, ServedModel
 from producer_sdk._stream import Follower, outcome
+from producer_sdk.batch import DEFAULT_WINDOW, BatchItem, Outcome, run_batch_sync
 from producer_sdk.contract import scripts, steps
 from producer_sdk.contract.redis_errors import RETRY_CANDIDATES
 from producer_sdk.errors import QueueFull, RateLimited, RequestFailed, RequestTimeout
@@ -144,6 +145,13 @@ class Client(ClientBase):
             if not handle.done:
                 self.cancel(handle.request_id)
             raise
+
+    def run_batch(
+        self, items: Iterable[BatchItem | tuple], *, batch_id: str, window: int = DEFAULT_WINDOW
+    ) -> Iterator[tuple[str, Outcome]]:
+        """Run a batch on the low lane; see `AsyncClient.run_batch`. Outcomes come in submission
+        order (the oldest of the `window` requests in flight is waited for first)."""
+        return run_batch_sync(self, items, batch_id, window)
 
     def cancel(self, request_id: str) -> None:
         self._run(lambda: _plans.cancel(self.model, request_id, self._opts.result_ttl_s), request_id)

@@ -111,6 +111,13 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return run(GatewayConfig.from_cli_args(args, redis_url=args.redis_url or default_redis_url()))
 
 
+def _cmd_batch_run(args: argparse.Namespace) -> int:
+    from gateway.batches.cli import cmd_batch_run
+    from worker.local import default_redis_url
+
+    return cmd_batch_run(args, redis_url=args.redis_url or _env("redis_url") or default_redis_url())
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     return _run_bench(args.rest)
 
@@ -181,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway onto the queue (extra: gateway)")
     GatewayConfig.add_cli_args(gateway)
     gateway.set_defaults(func=_cmd_gateway)
+
+    from gateway.batches.cli import add_batch_args
+
+    batch = sub.add_parser("batch", help="run a batch file (OpenAI's batch JSONL) on the queue (extra: gateway)")
+    add_batch_args(batch).set_defaults(func=_cmd_batch_run)
 
     from worker.cli_client import add_stats_args, add_submit_args, cmd_stats, cmd_submit
 

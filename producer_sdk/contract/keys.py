@@ -155,3 +155,48 @@ def tenant_queued(model: str) -> str:
     """Hash: tenant -> outstanding entries (queued + in flight) of the model, counted by the enqueue
     step and decremented by the step that deletes the entry."""
     return f"{model_prefix(model)}tenant_queued"
+
+
+# --- files and batches (the gateway's /v1/files and /v1/batches, `pagedq batch run`) ----------------
+# A batch's keys share the batch id's hash slot, so that storing a line's result and counting it are
+# one atomic step; files, and the indexes used to list them, are keys used alone.
+
+
+def file_record(file_id: str) -> str:
+    """Hash of one uploaded or written file: `m` (its JSON metadata: OpenAI's FileObject and the
+    tenant) and `d` (its bytes). Kept until deleted."""
+    return f"{PREFIX}:file:{{{file_id}}}"
+
+
+def file_index(tenant: str | None) -> str:
+    """Sorted set of one tenant's file ids (score: created_at); `anon` holds those of callers without
+    a tenant (a gateway without --api-keys)."""
+    return f"{PREFIX}:files:anon" if tenant is None else f"{PREFIX}:files:tenant:{tenant}"
+
+
+def batch_record(batch_id: str) -> str:
+    """Hash of one batch: `m` (its JSON metadata, set once), `status`, the timestamps (`in_progress_at`,
+    ...), `total`, `completed` and `failed` (the counts), `output_file_id`, `error_file_id`, `errors`."""
+    return f"{PREFIX}:batch:{{{batch_id}}}"
+
+
+def batch_results(batch_id: str) -> str:
+    """Hash: input line index -> the line's result (`o` + its output line, or `e` + its error line),
+    written once per line (HSETNX), so a batch resumed after a crash stores no line twice."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:results"
+
+
+def batch_lease(batch_id: str) -> str:
+    """String with a PX expiry: the token of the gateway driving the batch (SET NX, renewed while it
+    works); after a crash another gateway takes the batch over once it expired."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:lease"
+
+
+def batch_index(tenant: str | None) -> str:
+    """Sorted set of one tenant's batch ids (score: created_at); `anon` as in `file_index`."""
+    return f"{PREFIX}:batches:anon" if tenant is None else f"{PREFIX}:batches:tenant:{tenant}"
+
+
+def batches_active() -> str:
+    """Set of the ids of the batches not finished yet: what the gateways' batch runners look for work in."""
+    return f"{PREFIX}:batches:active"

@@ -490,6 +490,8 @@ SAMPLES = {
     "client_id": ("c1",),
     "request_id": ("0123456789abcdef",),
     "tenant": ("default", "tenant-a", "team-a"),
+    "batch_id": ("batch_0123abcd",),
+    "file_id": ("file-0123abcd",),
 }
 
 

@@ -48,7 +48,12 @@ DEPRECATED_SHIMS = ("producer_sdk.gateway", "producer_sdk.gateway.__main__")
 LAYER_EXCEPTIONS = {("worker.cli", "gateway"), *((shim, "gateway") for shim in DEPRECATED_SHIMS)}
 SDK_DEPENDENCIES = ("redis", "msgspec")  # the base install
 # import name -> distribution in the `gateway` extra of pyproject.toml
-GATEWAY_DEPENDENCIES = {"starlette": "starlette", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+GATEWAY_DEPENDENCIES = {
+    "starlette": "starlette",
+    "uvicorn": "uvicorn",
+    "prometheus_client": "prometheus-client",
+    "tqdm": "tqdm",
+}
 
 
 @dataclass(frozen=True)
