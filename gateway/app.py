@@ -29,6 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import CountRequests, GatewayMetrics
 from gateway.registry import Registry
 from gateway.render import Renderer, request_id_of
+from gateway.responses.service import ResponsesApi
 from gateway.streams import Clock, EventStream, Reading, sse_frames, until_done_or_gone
 from producer_sdk.client import AsyncClient
 from producer_sdk.constants import REQUEST_ID_PATTERN, UNFINISHED_TTL_S
@@ -74,7 +75,8 @@ class Gateway:
         self.keys = KeyRing.load(config.api_keys) if config.api_keys else None
         self.registry = Registry(self.redis, refresh_s=config.registry_refresh_s)
         self.metrics = GatewayMetrics()
-        self._clients: dict[str, AsyncClient] = {}
+        self._clients: dict[tuple[str, float], AsyncClient] = {}
+        self.responses = ResponsesApi(self)
         self._refresher: asyncio.Task | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -90,17 +92,13 @@ class Gateway:
             self._refresher.cancel()
             await self.redis.aclose()
 
-    def client(self, model: str) -> AsyncClient:
-        c = self._clients.get(model)
+    def client(self, model: str, result_ttl_s: float | None = None) -> AsyncClient:
+        """The SDK client of a model, submitting with the given retention (default --result-ttl)."""
+        ttl = self.config.result_ttl_s if result_ttl_s is None else result_ttl_s
+        c = self._clients.get((model, ttl))
         if c is None:
-            c = AsyncClient(
-                self.redis,
-                model=model,
-                check_model=False,
-                result_ttl_s=self.config.result_ttl_s,
-                block_ms=IDLE_BLOCK_MS,
-            )
-            self._clients[model] = c
+            c = AsyncClient(self.redis, model=model, check_model=False, result_ttl_s=ttl, block_ms=IDLE_BLOCK_MS)
+            self._clients[(model, ttl)] = c
         return c
 
     def caller(self, request: Request) -> Caller:
@@ -346,6 +344,11 @@ def create_app(config: GatewayConfig, redis: Any = None) -> Any:
         Route("/v1/completions", _guarded(lambda r: gw.create(r, completion)), methods=["POST"]),
         Route("/v1/chat/completions/{id}", _guarded(lambda r: gw.retrieve(r, chat)), methods=["GET"]),
         Route("/v1/completions/{id}", _guarded(lambda r: gw.retrieve(r, completion)), methods=["GET"]),
+        Route("/v1/responses", _guarded(gw.responses.create), methods=["POST"]),
+        Route("/v1/responses/{id}", _guarded(gw.responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{id}", _guarded(gw.responses.delete), methods=["DELETE"]),
+        Route("/v1/responses/{id}/cancel", _guarded(gw.responses.cancel), methods=["POST"]),
+        Route("/v1/responses/{id}/input_items", _guarded(gw.responses.input_items), methods=["GET"]),
         Route("/v1/models", _guarded(gw.list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", _guarded(gw.get_model), methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),

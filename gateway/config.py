@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 from producer_sdk.constants import DEFAULT_RESULT_TTL_S
 
+# A day: the worker's default --max-result-ttl, the longest retention a request can ask for.
+DEFAULT_RESPONSE_TTL_S = 86_400.0
+
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get("PAGEDQ_" + name.upper(), default)
@@ -25,6 +28,7 @@ class GatewayConfig:
     api_keys: str | None = None  # path of the key file; None: no authentication
     queue_without_workers: bool = False
     result_ttl_s: float = DEFAULT_RESULT_TTL_S  # the requests' retention: docs/sdk.md
+    response_ttl_s: float = DEFAULT_RESPONSE_TTL_S  # stored /v1/responses: docs/responses.md
     max_body_bytes: int = 4 << 20
     max_file_bytes: int = 32 << 20  # an uploaded file (/v1/files): docs/batch.md
     batch_lease_s: float = 30.0  # a batch runner's lease: another gateway takes a batch over after it
@@ -65,6 +69,14 @@ class GatewayConfig:
             "record together (capped by the worker's --max-result-ttl): docs/sdk.md, 'How long an answer "
             "can be fetched'",
         )
+        g.add_argument(
+            "--response-ttl",
+            type=float,
+            default=float(_env("response_ttl") or DEFAULT_RESPONSE_TTL_S),
+            help="seconds a stored /v1/responses response (store: true) stays retrievable and can be "
+            "continued with previous_response_id, from its final event (capped by the worker's "
+            "--max-result-ttl): docs/responses.md",
+        )
         g.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes") or 4 << 20), help="larger: 413")
         g.add_argument(
             "--max-file-bytes",
@@ -104,6 +116,7 @@ class GatewayConfig:
             api_keys=args.api_keys,
             queue_without_workers=args.queue_without_workers,
             result_ttl_s=args.result_ttl,
+            response_ttl_s=args.response_ttl,
             max_body_bytes=args.max_body_bytes,
             max_file_bytes=args.max_file_bytes,
             batch_lease_s=args.batch_lease,

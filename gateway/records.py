@@ -10,19 +10,33 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from typing import Any
 
 import msgspec
 
 from producer_sdk.constants import REQUEST_ID_PATTERN
 
 
+class StoredResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a stored Responses API response keeps besides its generation (which is its response
+    stream): the request fields it echoes, its input items, and the conversation before its output,
+    so that the next turn (`previous_response_id`) reads one record and one stream, not the chain."""
+
+    echo: dict[str, Any]  # the request's fields as the Response object shows them
+    input: list[dict[str, Any]]  # this turn's input items, each with an id (GET .../input_items)
+    history: list[dict[str, Any]]  # chat messages up to this turn's input (instructions excluded)
+    previous: str | None = None  # the previous response's request id
+    background: bool = False
+
+
 class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
-    kind: str  # chat | completion
+    kind: str  # chat | completion | response
     model: str
     created: int  # unix seconds, the `created` of every object of the response
     n: int = 1
     include_usage: bool = False
     tenant: str | None = None
+    response: StoredResponse | None = None  # kind "response" only
 
 
 _encoder = msgspec.msgpack.Encoder()
