@@ -296,20 +296,28 @@ class ResponsesApi:
         return cancel
 
     def _api_error(self, e: PagedqError, constraint: str | None) -> errors.ApiError:
-        names = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
-
-        def param_of(field: str) -> str:
-            head, _, rest = field.partition(".")
-            if head == "sampling" and rest:
-                name = rest.split(".", 1)[0]
-                return names.get(name, name)
-            base = head.split("[", 1)[0]
-            return names.get(base, base)
-
-        def failure_param(code: str) -> str | None:
-            param = chat_failure_param(True, constraint, code)
-            return names.get(param, param) if param else None
-
+        param_of, failure_param = api_error_mappers(constraint)
         return errors.from_sdk(
             e, param_of=param_of, failure_param=failure_param, retry_after_s=self.gw.config.retry_after_s
         )
+
+
+PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def api_error_mappers(constraint: str | None) -> tuple[Callable[[str], str], Callable[[str], str | None]]:
+    """The Responses parameter behind a protocol field path, and behind a worker's error code."""
+
+    def param_of(field: str) -> str:
+        head, _, rest = field.partition(".")
+        if head == "sampling" and rest:
+            name = rest.split(".", 1)[0]
+            return PARAM_NAMES.get(name, name)
+        base = head.split("[", 1)[0]
+        return PARAM_NAMES.get(base, base)
+
+    def failure_param(code: str) -> str | None:
+        param = chat_failure_param(True, constraint, code)
+        return PARAM_NAMES.get(param, param) if param else None
+
+    return param_of, failure_param
