@@ -1,9 +1,8 @@
 """What a batch does with one line of each endpoint: `LINE_ENDPOINTS[url].prepare(body, tenant)`
 turns the line's `body` into the model, the SDK's submit arguments and the renderer of the answer.
 
-/v1/chat/completions and /v1/completions are registered here; /v1/responses is registered by
-`gateway.responses` with `register_line_endpoint(RESPONSES_URL, ...)`. Until then a /v1/responses
-batch fails each line with `endpoint_unsupported` (`unsupported_line`).
+One entry per endpoint a batch may name: chat and text completions through the gateway's own mapping
+and renderer, /v1/responses through `gateway.responses.line`.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any, Protocol
 
 from gateway import errors, mapping
 from gateway.render import Renderer
+from gateway.responses import line as responses_line
 from producer_sdk.results import Completion
 
 CHAT_URL, COMPLETIONS_URL, RESPONSES_URL = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -74,22 +74,16 @@ class OpenAIEndpoint:
         )
 
 
+class ResponsesEndpoint:
+    """/v1/responses: the Responses API's mapping and Response object (`gateway.responses.line`)."""
+
+    def prepare(self, body: bytes, tenant: str | None) -> PreparedLine:
+        model, submit, render, param_of, failure_param = responses_line.prepare(body, tenant)
+        return PreparedLine(model=model, submit=submit, render=render, param_of=param_of, failure_param=failure_param)
+
+
 LINE_ENDPOINTS: dict[str, LineEndpoint] = {
     CHAT_URL: OpenAIEndpoint(mapping.CHAT),
     COMPLETIONS_URL: OpenAIEndpoint(mapping.COMPLETION),
-    # RESPONSES_URL: registered by gateway.responses (register_line_endpoint)
+    RESPONSES_URL: ResponsesEndpoint(),
 }
-
-
-def register_line_endpoint(url: str, endpoint: LineEndpoint) -> None:
-    """Make batches of `url` runnable (`url` must be one of BATCH_URLS)."""
-    if url not in BATCH_URLS:
-        raise ValueError(f"{url} is not a batch endpoint ({', '.join(BATCH_URLS)})")
-    LINE_ENDPOINTS[url] = endpoint
-
-
-def unsupported_line(url: str) -> errors.ApiError:
-    """The error of each line of a batch whose endpoint has no LineEndpoint registered yet."""
-    return errors.ApiError(
-        400, f"Batches of {url} are not supported by this gateway yet.", param="url", code="endpoint_unsupported"
-    )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import errors
-from gateway.batches.endpoints import LINE_ENDPOINTS, PreparedLine, unsupported_line
+from gateway.batches.endpoints import LINE_ENDPOINTS, PreparedLine
 
 MAX_LINES = 50_000  # OpenAI's limit of requests per batch
 
@@ -68,10 +68,7 @@ def parse(
         if line.problem is None and line.refused is None:
             body = json.dumps(obj["body"]).encode()
             try:
-                endpoint_impl = LINE_ENDPOINTS.get(endpoint)
-                if endpoint_impl is None:
-                    raise unsupported_line(endpoint)
-                prepared = endpoint_impl.prepare(body, tenant)
+                prepared = LINE_ENDPOINTS[endpoint].prepare(body, tenant)
                 model = model or prepared.model
                 if prepared.model != model:
                     line.problem = (

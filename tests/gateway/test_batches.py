@@ -19,6 +19,7 @@ from tests.service.worker_proc import wait_until
 
 MAX_FILE_BYTES = 100_000
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 
 
 @pytest.fixture(scope="module")
@@ -247,18 +248,27 @@ def test_cancel_mid_batch_leaves_counts_that_add_up(a):
     assert a.batches.cancel(batch.id).status == "cancelled"  # a finished batch stays as it is
 
 
-def test_a_responses_batch_without_its_endpoint_fails_its_lines_clearly(a):
-    import gateway.app  # noqa: F401  (whatever the gateway registers at import)
-    from gateway.batches.endpoints import LINE_ENDPOINTS, RESPONSES_URL
-
-    if RESPONSES_URL in LINE_ENDPOINTS:
-        pytest.skip("/v1/responses batches are supported")
-    rows = [line("r-1", {"model": "default", "input": "hi"}, RESPONSES_URL)]
+def test_a_responses_batch_answers_each_line_with_the_response_object(a):
+    """Lines of /v1/responses: each output body is the Response object a direct POST gives (greedy);
+    a line that asks to chain, stream or run in the background is an error-file line."""
+    ask = {"model": "default", "input": "hi there", "max_output_tokens": 5, "temperature": 0}
+    rows = [
+        line("r-1", ask, RESPONSES),
+        line("r-2", {**ask, "instructions": "Be brief."}, RESPONSES),
+        line("r-bad", {**ask, "previous_response_id": "resp_x"}, RESPONSES),
+    ]
     done = run_to_end(
-        a, a.batches.create(input_file_id=upload(a, rows).id, endpoint=RESPONSES_URL, completion_window="24h").id
+        a, a.batches.create(input_file_id=upload(a, rows).id, endpoint=RESPONSES, completion_window="24h").id
     )
-    assert done.status == "completed" and done.request_counts.failed == 1
-    assert lines_of(a, done.error_file_id)[0]["error"]["code"] == "endpoint_unsupported"
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    out = {o["custom_id"]: o["response"]["body"] for o in lines_of(a, done.output_file_id)}
+    for cid, body in (("r-1", ask), ("r-2", {**ask, "instructions": "Be brief."})):
+        direct = a.responses.create(**body)
+        assert out[cid]["object"] == "response" and out[cid]["status"] == direct.status
+        assert out[cid]["output"][0]["content"][0]["text"] == direct.output_text
+        assert out[cid]["usage"]["output_tokens"] == direct.usage.output_tokens
+    error = lines_of(a, done.error_file_id)[0]
+    assert error["custom_id"] == "r-bad" and error["response"]["body"]["error"]["param"] == "previous_response_id"
 
 
 def test_the_sync_sdk_runs_a_batch_and_attaches_when_run_again(gw_worker, gw_redis_url):
