@@ -22,7 +22,8 @@ NEWEST_REDIS_TESTS ?= tests/service/test_sdk_client.py tests/service/test_sdk_re
 	tests/service/test_sdk_submit_batch.py \
 	tests/service/test_sdk_sync.py tests/service/test_sdk_auth.py tests/service/test_contract_scripts.py \
 	tests/unit/test_sentinel_url.py tests/unit/test_reply_parser.py tests/service/test_sentinel_service.py
-# The cluster pass: the contract's steps, the SDK, the worker service, tenants, traces and the OpenAI client
+# The cluster pass: the contract's steps, the SDK, the worker service, tenants, traces, the OpenAI client, the
+# Responses and Batch APIs
 # against a real local cluster (tests marked single_node are left out), and the cluster chaos rows. Not
 # repeated there, to keep `make test` under 20 minutes: fair share and --stream-interval (intake and publisher
 # policies over the same steps), the health endpoints, the structured-output grammars and the ops files (but
@@ -33,7 +34,8 @@ CLUSTER_TESTS ?= tests/service/test_contract_scripts.py tests/service/test_sdk_c
 	tests/service/test_tracing_service.py \
 	tests/service/test_worker_health.py::test_backlog_metrics_for_autoscaling \
 	tests/service/test_structured_service.py::test_sigkill_mid_way_through_constrained_requests_then_resume \
-	tests/gateway/test_openai_client.py tests/unit/test_cluster_url.py tests/chaos/test_chaos_cluster.py
+	tests/gateway/test_openai_client.py tests/gateway/test_responses.py tests/gateway/test_batches.py \
+	tests/unit/test_cluster_url.py tests/chaos/test_chaos_cluster.py
 
 .PHONY: setup test test-gpu demo bench lint chaos soak clean redis-server cpu-kernels compose-check
 
