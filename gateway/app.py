@@ -313,6 +313,22 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(errors.ApiError(status, f"{request.method} {request.url.path}: {detail}", code=None))
 
 
+def _internal(request: Request, exc: BaseException | None = None) -> errors.ApiError:
+    """Anything unexpected: logged with its traceback, answered in OpenAI's shape without internals."""
+    rid = getattr(request.state, "request_id", None)
+    where = (request.method, request.url.path, rid)
+    log.error("unexpected error in %s %s (request %s)", *where, exc_info=exc or True)
+    more = f" (request {rid})" if rid else ""
+    return errors.ApiError(
+        500, f"The gateway failed on this request{more}; it is logged.", type="server_error", code="internal_error"
+    )
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """Starlette's last resort (outside the guarded endpoints): the same answer."""
+    return error_response(_internal(request, exc))
+
+
 def _guarded(handler):
     async def endpoint(request: Request):
         try:
@@ -323,6 +339,8 @@ def _guarded(handler):
             error = errors.from_sdk(e)
         except REDIS_ERRORS as e:
             error = errors.redis_unavailable(e)
+        except Exception:
+            error = _internal(request)
         rid = getattr(request.state, "request_id", None)  # set once the request has its id
         if rid is not None:
             error.headers.setdefault(REQUEST_ID_HEADER, rid)
@@ -360,7 +378,7 @@ def create_app(config: GatewayConfig, redis: Any = None) -> Any:
     app = Starlette(
         routes=routes,
         lifespan=batches.lifespan(gw.lifespan),
-        exception_handlers={404: _http_error, 405: _http_error},
+        exception_handlers={404: _http_error, 405: _http_error, Exception: _unexpected},
     )
     app.state.gateway = gw
     return CountRequests(app, gw.metrics)

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from gateway import errors, mapping_chat
+from gateway import errors, json_body, mapping_chat
 from gateway.schemas import (
     CHAT_UNSUPPORTED,
     ChatCompletionRequest,
@@ -18,7 +18,6 @@ from gateway.schemas import (
     chat_decoder,
     completion_decoder,
 )
-from producer_sdk.protocol import schema_error
 
 CHAT, COMPLETION = "chat", "completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -59,23 +58,8 @@ class Mapped(msgspec.Struct):
 
 
 def decode(kind: str, body: bytes) -> Any:
-    """The body as a Struct; a 400 naming the field on malformed JSON or a wrong type."""
-    decoder = chat_decoder if kind == CHAT else completion_decoder
-    try:
-        return decoder.decode(body)
-    except msgspec.ValidationError as e:
-        err = schema_error(e, "request")
-        field = err.field
-        if field and "unknown field" in str(e):
-            msg = f"Unrecognized request argument supplied: {field}"
-            raise errors.invalid(msg, field, "unknown_parameter") from None
-        raise errors.invalid(f"Invalid request body: {_clean(str(e))}", field) from None
-    except msgspec.DecodeError as e:
-        raise errors.invalid(f"The body is not valid JSON: {e}", None, "invalid_json") from None
-
-
-def _clean(text: str) -> str:
-    return text.replace("`$.", "`").replace("`$`", "the body")
+    """The body as a Struct; a 400 naming the field on malformed JSON, a wrong type or too deep a body."""
+    return json_body.decode(chat_decoder if kind == CHAT else completion_decoder, body)
 
 
 def map_chat(body: ChatCompletionRequest) -> Mapped:

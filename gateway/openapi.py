@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -14,14 +15,50 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from gateway.errors import ErrorBody
+from gateway.responses.request import ResponsesRequest
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
+_RESUME = (("stream", "query", "boolean"), ("Last-Event-ID", "header", "integer"))
+PARAMS = {  # query and header parameters beyond the path's id
+    ("get", "/v1/chat/completions/{id}"): _RESUME,
+    ("get", "/v1/completions/{id}"): _RESUME,
+    ("get", "/v1/responses/{id}"): (("stream", "query", "boolean"), ("starting_after", "query", "integer")),
+    ("get", "/v1/responses/{id}/input_items"): (
+        ("order", "query", "string"),
+        ("after", "query", "string"),
+        ("limit", "query", "integer"),
+    ),
+}
+BATCH_BODY = {
+    "type": "object",
+    "properties": {
+        "input_file_id": {"type": "string"},
+        "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/responses"]},
+        "completion_window": {"const": "24h"},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+    "required": ["input_file_id", "endpoint", "completion_window"],
+}
 TITLE = "pagedq gateway (OpenAI-compatible)"
 _ENDPOINTS = [
     ("post", "/v1/chat/completions", "Create a chat completion (stream=true: SSE, each event with an id)", "chat"),
     ("post", "/v1/completions", "Create a text completion", "completion"),
     ("get", "/v1/chat/completions/{id}", "The finished chat completion; ?stream=true resumes the stream", None),
     ("get", "/v1/completions/{id}", "The finished completion; ?stream=true resumes the stream", None),
+    ("post", "/v1/responses", "Create a response (stream, background, previous_response_id)", "responses"),
+    ("get", "/v1/responses/{id}", "A stored response; ?stream=true&starting_after=N resumes its events", None),
+    ("delete", "/v1/responses/{id}", "Delete a stored response", None),
+    ("post", "/v1/responses/{id}/cancel", "Cancel a background response", None),
+    ("get", "/v1/responses/{id}/input_items", "The input items of a stored response", None),
+    ("post", "/v1/files", "Upload a JSONL file (multipart: file, purpose=batch)", None),
+    ("get", "/v1/files", "The caller's files", None),
+    ("get", "/v1/files/{id}", "One file", None),
+    ("get", "/v1/files/{id}/content", "A file's bytes", None),
+    ("delete", "/v1/files/{id}", "Delete a file", None),
+    ("post", "/v1/batches", "Create a batch from an uploaded file", "batch"),
+    ("get", "/v1/batches", "The caller's batches (after, limit)", None),
+    ("get", "/v1/batches/{id}", "One batch", None),
+    ("post", "/v1/batches/{id}/cancel", "Cancel a batch", None),
     ("get", "/v1/models", "Models that live workers serve, with max_model_len", None),
     ("get", "/v1/models/{model}", "One served model", None),
     ("get", "/health", "The process is up", None),
@@ -32,10 +69,11 @@ _ENDPOINTS = [
 
 @lru_cache(maxsize=1)
 def document() -> dict[str, Any]:
-    (chat, completion, error), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ErrorBody], ref_template="#/components/schemas/{name}"
+    (chat, completion, responses, error), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ResponsesRequest, ErrorBody],
+        ref_template="#/components/schemas/{name}",
     )
-    bodies = {"chat": chat, "completion": completion}
+    bodies = {"chat": chat, "completion": completion, "responses": responses, "batch": BATCH_BODY}
     errors = {
         "description": "OpenAI's error shape",
         "content": {"application/json": {"schema": {"type": "object", "properties": {"error": error}}}},
@@ -43,12 +81,11 @@ def document() -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for method, path, summary, body in _ENDPOINTS:
         op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "OK"}, "default": errors}}
-        if "{id}" in path:
-            op["parameters"] = [
-                {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}},
-                {"name": "stream", "in": "query", "schema": {"type": "boolean"}},
-                {"name": "Last-Event-ID", "in": "header", "schema": {"type": "integer"}},
-            ]
+        names = re.findall(r"{(\w+)}", path)
+        params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
+        params += [{"name": n, "in": where, "schema": {"type": t}} for n, where, t in PARAMS.get((method, path), ())]
+        if params:
+            op["parameters"] = params
         if body:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": bodies[body]}}}
         paths.setdefault(path, {})[method] = op

@@ -59,7 +59,7 @@ def _endpoint(data: bytes) -> str:
     for raw in data.splitlines():
         try:
             url = json.loads(raw).get("url")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             continue
         if isinstance(url, str):
             return url

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -52,7 +54,11 @@ class FileRoutes:
         async def replay() -> dict[str, Any]:
             return {"type": "http.request", "body": body, "more_body": False}
 
-        form = await Request(request.scope, replay).form(max_files=1, max_fields=8, max_part_size=1 << 20)
+        try:
+            form = await Request(request.scope, replay).form(max_files=1, max_fields=8, max_part_size=1 << 20)
+        except (MultiPartException, HTTPException) as e:
+            detail = getattr(e, "message", None) or getattr(e, "detail", "")
+            raise errors.invalid(f"The body is not a multipart form: {detail}", "file") from None
         try:
             purpose = form.get("purpose")
             if not isinstance(purpose, str) or not purpose:

@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway import errors
 from gateway.batches.endpoints import LINE_ENDPOINTS, PreparedLine
+from gateway.json_body import too_deep
 
 MAX_LINES = 50_000  # OpenAI's limit of requests per batch
 
@@ -60,14 +61,17 @@ def parse(
     for index, raw in raw_lines:
         try:
             obj = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested beyond the parser's reach
             obj = None
         if isinstance(obj, dict):
             objects += 1
         line = _check(index, obj, endpoint, seen)
         if line.problem is None and line.refused is None:
-            body = json.dumps(obj["body"]).encode()
             try:
+                try:
+                    body = json.dumps(obj["body"]).encode()
+                except RecursionError:
+                    raise too_deep("body") from None
                 prepared = LINE_ENDPOINTS[endpoint].prepare(body, tenant)
                 model = model or prepared.model
                 if prepared.model != model:

@@ -20,6 +20,7 @@ from gateway.batches.file_routes import FileRoutes
 from gateway.batches.files import BATCH, FileStore
 from gateway.batches.runner import BatchRunner
 from gateway.batches.store import CANCELLING, IN_PROGRESS, VALIDATING, BatchStore
+from gateway.json_body import check_depth, too_deep
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
@@ -55,6 +56,9 @@ class BatchRoutes:
             body = json.loads(await self.gw.body(request))
         except ValueError:
             raise errors.invalid("The body is not valid JSON.", None, "invalid_json") from None
+        except RecursionError:
+            raise too_deep() from None
+        check_depth(body)
         if not isinstance(body, dict):
             raise errors.invalid("The body must be a JSON object.", None)
         input_file_id = body.get("input_file_id")

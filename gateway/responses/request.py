@@ -14,9 +14,8 @@ from typing import Any
 
 import msgspec
 
-from gateway import errors
-from gateway.mapping import RESERVED_METADATA, _clean
-from producer_sdk.protocol import schema_error
+from gateway import errors, json_body
+from gateway.mapping import RESERVED_METADATA
 
 ID_PREFIX = "resp_"
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -101,17 +100,7 @@ class MappedResponse(msgspec.Struct, kw_only=True):
 
 
 def decode(body: bytes) -> ResponsesRequest:
-    try:
-        return _decoder.decode(body)
-    except msgspec.ValidationError as e:
-        field = schema_error(e, "request").field
-        if field and "unknown field" in str(e):
-            raise errors.invalid(
-                f"Unrecognized request argument supplied: {field}", field, "unknown_parameter"
-            ) from None
-        raise errors.invalid(f"Invalid request body: {_clean(str(e))}", field) from None
-    except msgspec.DecodeError as e:
-        raise errors.invalid(f"The body is not valid JSON: {e}", None, "invalid_json") from None
+    return json_body.decode(_decoder, body)
 
 
 def request_id_of(response_id: str) -> str:
