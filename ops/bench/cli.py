@@ -202,11 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DELEGATED = {"structured": "ops.bench.structured", "tenants": "ops.bench.tenants", "uniform": "ops.bench.uniform"}
+DELEGATED = {
+    "structured": "ops.bench.structured",
+    "tenants": "ops.bench.tenants",
+    "uniform": "ops.bench.uniform",
+    "batch": "ops.bench.batch_mix",
+}
 DELEGATED_HELP = {
     "structured": "constrained decoding: throughput vs unconstrained, grammar compile and mask times",
     "tenants": "tenant isolation: a calm tenant's TTFT alone and beside one bursting 10x its quota",
     "uniform": "uniform batch (B prompts of P tokens, G decode steps): prefill and decode tok/s, llama.cpp beside",
+    "batch": "Batch API beside interactive chat: TTFT with a low-lane batch running, batch tok/s busy vs idle",
 }
 
 
