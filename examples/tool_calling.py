@@ -3,10 +3,12 @@
     pagedq up                            # a local stack: redis-server + SmolLM2 + one worker
     python examples/tool_calling.py      # in another terminal: finds that stack by itself
 
-The worker needs a chat template that renders tools. SmolLM2's own has none; `pagedq model prepare
-smollm2` (which `pagedq up` runs) gives the prepared model pagedq's Hermes template for chats with
-tools (chats without tools render with SmolLM2's own). For another model whose template renders no
-tools, start its worker with that template:
+SmolLM2's own chat template renders no tools; `pagedq model prepare smollm2` (which `pagedq up` runs)
+gives the prepared model pagedq's Hermes template for chats with tools (chats without tools render
+with SmolLM2's own). The forced call below (tool_choice "required") works on any model: a worker that
+knows no tool-call format for its model writes it as JSON under the grammar of the tools' parameters,
+with the tools in a preamble of the prompt (docs/structured-outputs.md). For tool_choice "auto" on a
+model whose template renders no tools, start its worker with pagedq's Hermes template:
 
     pagedq worker --model PATH --chat-template worker/models/templates/hermes_tools.jinja
 

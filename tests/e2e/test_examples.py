@@ -119,6 +119,29 @@ def test_tool_calling(up_stack):
     assert set(ast.literal_eval(report[1])) == {"city", "temperature", "summary"}
 
 
+def _readme_gateway_code() -> str:
+    """The Python blocks of the README's gateway section, in order: the client, then the tool call."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## OpenAI-compatible gateway", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+
+
+@pytest.mark.slow
+def test_the_readme_gateway_tool_example(up_stack):
+    """The README's tool call through the `openai` client, as written, against `pagedq up` with no flags
+    (the one change: the gateway's port, a free one here instead of 8000)."""
+    code = _readme_gateway_code()
+    assert "tool_choice=" in code and 'base_url="http://127.0.0.1:8000/v1"' in code
+    gateway_url = json.loads((Path(up_stack["PAGEDQ_CACHE"]) / "up.json").read_text())["gateway_url"]
+    code = code.replace("http://127.0.0.1:8000/v1", gateway_url)  # up.json's: http://127.0.0.1:PORT/v1
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=up_stack, timeout=300)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    finish, name, arguments = done.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert (finish, name) == ("tool_calls", "get_weather"), done.stdout
+    arguments = ast.literal_eval(arguments)  # printed as a dict: valid against the tool's parameters
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("c", "f") and len(arguments["city"]) <= 40
+
+
 def _repeats(text: str, n: int = 5) -> list[str]:
     """The n-word sequences that occur more than once in `text` (what a looping answer is made of)."""
     words = re.findall(r"\w+", text.lower())

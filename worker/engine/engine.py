@@ -103,8 +103,18 @@ class LLMEngine:
         messages: list[dict] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        *,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[int]:
-        return self.input_processor.encode_prompt(prompt, messages, add_generation_prompt, tools)
+        return self.input_processor.encode_prompt(
+            prompt,
+            messages,
+            add_generation_prompt,
+            tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+        )
 
     def add_request(
         self,
@@ -520,6 +530,9 @@ def _build_scheduler_config(cfg: EngineConfig, loaded: LoadedModel, max_model_le
         long_prefill_budget=long_budget,
         attention_cost_context=attention_cost_context(loaded.config),
         fair_share_prefill_tokens=cfg.fair_share_prefill_tokens,
+        low_priority_max_seqs=(
+            max(1, cfg.max_num_seqs // 16) if cfg.low_priority_max_seqs is None else cfg.low_priority_max_seqs
+        ),
     )
 
 

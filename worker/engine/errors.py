@@ -32,7 +32,8 @@ class GrammarError(RequestError):
 
 
 class ToolsUnsupported(RequestError):
-    """A request with tools for a worker that knows no tool-call format for its model."""
+    """A request with tools and tool_choice "auto" for a worker that knows no tool-call format for its
+    model (a forced call, "required" or a named function, needs none: it is written as JSON)."""
 
     code = "tools_unsupported"
 

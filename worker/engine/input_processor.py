@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,16 @@ from worker.engine.errors import PromptTooLong, RequestError
 from worker.engine.request import Request
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.structured import StructuredOutputManager, spec_from_params
-from worker.engine.tool_calling import require_parser, template_messages, tool_grammar
+from worker.engine.tool_calling import (
+    calls_as_text,
+    forced_function,
+    json_call_parser,
+    request_parser,
+    template_messages,
+    tool_grammar,
+    tools_preamble,
+    with_preamble,
+)
 from worker.engine.tool_parsers import ToolParser
 
 
@@ -69,26 +79,50 @@ class InputProcessor:
         special = set(getattr(tokenizer, "all_special_tokens", ()))
         self.token_markers = frozenset(m for m in (tool_parser.markers if tool_parser else ()) if m in special)
 
+    @cached_property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template shows a request's tools: a probe chat rendered with a tool and
+        without differs (a template that fails on tools shows none)."""
+        chat = [{"role": "user", "content": "?"}]
+        probe = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
+        render = self.tokenizer.apply_chat_template
+        try:
+            return render(chat, tools=[probe], tokenize=False) != render(chat, tokenize=False)
+        except Exception:
+            return False
+
     def encode_prompt(
         self,
         prompt: str | None = None,
         messages: list[dict] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        *,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[int]:
-        """Token ids of a text prompt, or of a chat (and its tools) rendered with the chat template."""
+        """Token ids of a text prompt, or of a chat (and its tools) rendered with the chat template. A
+        forced call for a model without a tool-call format (`tool_choice` "required" or a named function)
+        shows its tools in TOOLS_PREAMBLE when the template renders none; with such a template, the tool
+        calls of assistant turns are written into their text."""
         if messages is None:
             if prompt is None:
                 raise RequestError("no prompt: pass a prompt, prompt_token_ids or messages")
             return self.tokenizer(prompt).input_ids
         if not self.tokenizer.chat_template:
             raise RequestError("this model has no chat template: send a prompt instead of messages")
+        messages = template_messages(messages)
+        if not self.template_renders_tools and any(m.get("tool_calls") for m in messages):
+            messages = calls_as_text(messages)
+        if tools and self.tool_parser is None and forced_function(tool_choice)[0] and not self.template_renders_tools:
+            messages = with_preamble(messages, tools_preamble(tools, tool_choice, parallel_tool_calls))
+            tools = None
         # transformers renders templates in jinja2's immutable sandbox: a template cannot reach Python
         # internals, and message contents are data, never template code. Whatever the template raises
         # (its own raise_exception on bad roles, a sandbox violation) is this request's error.
         try:
             rendered = self.tokenizer.apply_chat_template(
-                template_messages(messages), tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as e:
             raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from e
@@ -115,11 +149,21 @@ class InputProcessor:
         params = params.with_defaults(self.generation_defaults)
         parser = None
         if tools and tool_choice != "none":
-            parser = require_parser(self.tool_parser)
-            if self.token_markers and params.skip_special_tokens:
-                params = replace(params, skip_special_tokens=False)
+            if self.tool_parser is None:
+                parser = json_call_parser(tool_choice)  # a forced call as plain JSON; auto is refused
+            else:
+                parser = self.tool_parser
+                if self.token_markers and params.skip_special_tokens:
+                    params = replace(params, skip_special_tokens=False)
         if prompt_token_ids is None:
-            prompt_token_ids = self.encode_prompt(prompt, messages, add_generation_prompt, tools)
+            prompt_token_ids = self.encode_prompt(
+                prompt,
+                messages,
+                add_generation_prompt,
+                tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+            )
         ids = list(prompt_token_ids)
         self._check_prompt(request_id, ids)
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
@@ -146,7 +190,8 @@ class InputProcessor:
         parallel: bool,
     ) -> None:
         """Tools to parse and the grammar to follow; the grammar's compile starts now."""
-        req.tools, req.tool_parser = tools, parser
+        req.tools = tools
+        req.tool_parser = request_parser(parser, tool_choice) if parser is not None else None
         spec = None
         if req.sampling_params.structured_outputs is not None:
             if parser is not None:
