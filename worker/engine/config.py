@@ -43,6 +43,13 @@ class EngineConfig:
     )
     num_kv_blocks: int | None = _opt(None, "exact number of KV blocks (tests and benchmarks)")
     scheduling_policy: str = _opt("fcfs", "fcfs | priority (higher priority first, then arrival)")
+    low_priority_max_seqs: int | None = _opt(
+        None,
+        "while sequences of priority >= 0 are in the engine (or left less than 2 s ago), sequences of "
+        "negative priority (the low lane: batches) run at most this many at once; the rest wait and "
+        "running ones over it are preempted (default: max-num-seqs // 16, at least 1; 0: no cap)",
+        type=int,
+    )
     watermark: float = _opt(0.01, "fraction of KV blocks kept free for running sequences at admission")
     long_prefill_token_threshold: int = _opt(
         0,
@@ -119,6 +126,8 @@ class EngineConfig:
             raise bad("max_long_partial_prefills", "must be at least 1 and at most --max-num-partial-prefills")
         if self.fair_share_prefill_tokens < 0:
             raise bad("fair_share_prefill_tokens", "must be >= 0")
+        if self.low_priority_max_seqs is not None and self.low_priority_max_seqs < 0:
+            raise bad("low_priority_max_seqs", "must be >= 0")
         if self.long_prefill_budget is not None and self.long_prefill_budget < 0:
             raise bad("long_prefill_budget", "must be >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSER_NAMES:
@@ -153,6 +162,8 @@ class SchedulerConfig:
     long_prefill_budget: int = 0  # 0: long chunks are not sized by cost
     attention_cost_context: int = 1024  # prefill_cost.attention_cost_context(model config)
     fair_share_prefill_tokens: int = 0  # 0: no fair share between tenants in the step
+    low_priority_max_seqs: int = 0  # 0: no cap on negative-priority sequences under contention
+    contention_hold_s: float = 2.0  # the cap holds this long after the last priority >= 0 sequence left
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:

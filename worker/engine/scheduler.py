@@ -8,6 +8,13 @@ decode-only, the classic alternative. When the KV pool runs dry, the lowest-prio
 is preempted by recompute: its blocks are freed (their prefix-cache names survive) and it rejoins the
 front of the waiting queue.
 
+Batches beside interactive traffic (`low_priority_max_seqs`): while a sequence of priority >= 0 is in
+the engine (or left less than `contention_hold_s` ago), sequences of negative priority (the low lane,
+where batch lines go) run at most `low_priority_max_seqs` at once: the others wait, and running ones
+over the cap are preempted (latest first; their prefix-cache names survive). Every step carries all
+running decodes, so a batch filling the engine would slow every interactive token; with the cap it
+takes what interactive traffic leaves, and all of an idle engine.
+
 Prompt chunks, with chunked prefill (vLLM's option names):
 - A prompt with more than `long_prefill_token_threshold` tokens to compute when it is admitted is
   long. No chunk is longer than the threshold.
@@ -87,6 +94,7 @@ class _Step:
     over_share: frozenset[str] = frozenset()  # tenants whose prompt chunks are capped this step
     over_share_tokens: int = 0  # prompt tokens left for them
     fair_prompt: bool = False  # a prompt of a tenant within its share is in the step
+    low_seats: float = math.inf  # seats sequences of negative priority may still take (the cap, when contended)
 
 
 class Scheduler:
@@ -97,6 +105,7 @@ class Scheduler:
         self.tenants = TenantShare()
         self.running: list[Sequence] = []
         self._long: set[str] = set()  # running sequences admitted as long prompts, prompt not yet computed
+        self._contended_until = 0.0  # monotonic time until which the low-priority cap holds
 
     # --- membership --------------------------------------------------------------------------
 
@@ -136,7 +145,9 @@ class Scheduler:
         self.running.sort(key=lambda s: (*s.request.sort_key(cfg.policy), s.index))
         self._long &= {s.seq_id for s in self.running if _left(s) > 1}
         step = _Step(cfg.max_num_batched_tokens)
+        shed = self._shed_low_priority(step)
         if self._schedule_suspect(out, step):
+            out.preempted += shed
             return self._finish(out)
         if cfg.fair_share_prefill_tokens and cfg.enable_chunked_prefill:
             step.over_share = self.tenants.over_share()
@@ -166,7 +177,26 @@ class Scheduler:
                 self._schedule_waiting(out, step)
             if out.is_empty:
                 self._schedule_running(out, step, decodes=True)
+        out.preempted += shed  # after admission: shedding the batch must not hold back the others
         return self._finish(out)
+
+    def _shed_low_priority(self, step: _Step) -> list[Sequence]:
+        """Under contention, the seats left to negative-priority sequences (in `step`), after preempting
+        the running ones over the cap; returns those preempted."""
+        cap = self.config.low_priority_max_seqs
+        if not cap:
+            return []
+        now = time.monotonic()
+        if any(s.request.priority >= 0 for s in self.running) or any(s.request.priority >= 0 for s in self.waiting):
+            self._contended_until = now + self.config.contention_hold_s
+        if now >= self._contended_until:
+            return []
+        low = [s for s in self.running if s.request.priority < 0]
+        shed = low[cap:]  # running is in policy order: the latest last
+        for seq in reversed(shed):
+            self._back_to_waiting(seq)
+        step.low_seats = cap - (len(low) - len(shed))
+        return shed
 
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
         # One-token queries first: the attention kernels' decode fast path takes a prefix of the batch.
@@ -283,6 +313,10 @@ class Scheduler:
                 open_ = False
                 break
             seats = seq.request.sampling_params.n if not seq.request.forked else 1
+            low = seq.request.priority < 0
+            if low and seats > step.low_seats:  # the batch's cap, while others are here: they pass
+                deferred.append(self.waiting.pop())
+                continue
             if seats_taken + seats > cfg.max_num_seqs:
                 open_ = False
                 break
@@ -320,6 +354,8 @@ class Scheduler:
                 self._long.add(seq.seq_id)
             self._schedule(out, step, seq, n)
             seats_taken += seats
+            if low:
+                step.low_seats -= seats
             partials += partial
             longs += long
             if seq.request.isolated:
@@ -343,6 +379,11 @@ class Scheduler:
             step.long_chunks += 1
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._back_to_waiting(seq)
+        out.preempted.append(seq)
+
+    def _back_to_waiting(self, seq: Sequence) -> None:
+        """Preemption by recompute: the blocks go back to the pool, the sequence to the queue's front."""
         self.running.remove(seq)
         self._long.discard(seq.seq_id)
         self.kv.free(seq.seq_id)
@@ -350,7 +391,6 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.request.metrics.num_preemptions += 1
         self.waiting.push_front(seq)
-        out.preempted.append(seq)
 
 
 def _left(seq: Sequence) -> int:

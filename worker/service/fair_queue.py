@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from worker.service.inflight import Entry, EntryKey
 
@@ -54,11 +54,11 @@ class FairQueue:
         if e.lane not in self.lanes:
             self.lanes.append(e.lane)
 
-    def pop(self, weight: Callable[[str], float]) -> Entry | None:
-        """The next entry to admit, or None when nothing waits."""
+    def pop(self, weight: Callable[[str], float], lane_room: Mapping[str, int] | None = None) -> Entry | None:
+        """The next entry to admit, or None when nothing waits (in a lane with room left, if limited)."""
         for lane in self.lanes:
             queues = self._queues[lane]
-            if not queues:
+            if not queues or (lane_room is not None and lane_room.get(lane, 1) <= 0):
                 continue
             tenant = min(queues, key=lambda t: (self.vtime[t], queues[t][0][0]))
             _, e = queues[tenant].popleft()
@@ -74,12 +74,18 @@ class FairQueue:
             return e
         return None
 
-    def pop_many(self, count: int, weight: Callable[[str], float]) -> list[Entry]:
+    def pop_many(
+        self, count: int, weight: Callable[[str], float], lane_room: Mapping[str, int] | None = None
+    ) -> list[Entry]:
+        """Up to `count` entries; at most `lane_room[lane]` from a lane named there."""
+        room = dict(lane_room) if lane_room is not None else None
         out: list[Entry] = []
         while len(out) < count:
-            e = self.pop(weight)
+            e = self.pop(weight, room)
             if e is None:
                 break
+            if room is not None and e.lane in room:
+                room[e.lane] -= 1
             out.append(e)
         return out
 

@@ -61,6 +61,7 @@ class Intake:
         metrics: WorkerMetrics,
         block_ms: int = INTAKE_BLOCK_MS,
         window: int = 0,
+        low_lane_room: Callable[[], int] | None = None,
     ) -> None:
         self.redis, self.blocking = redis, blocking_redis
         self.admission = admission
@@ -68,6 +69,9 @@ class Intake:
         self.group = keys.group(model)
         self.streams = {lane: keys.lane_stream(model, lane) for lane in keys.LANES}
         self.capacity = capacity
+        # Entries the low lane may still add in flight (None: as many as there is room for): the rest of
+        # the room stays for the other lanes, so a batch filling the queue never keeps them in Redis.
+        self.low_lane_room = low_lane_room
         self.claim_idle_ms = claim_idle_ms
         self.reclaim_interval_s = reclaim_interval_s
         self.metrics = metrics
@@ -181,7 +185,7 @@ class Intake:
                 self.fair.push(e)
         if self.fair:
             await self.weights.refresh(self.fair.tenants())
-            self._picked = self.fair.pop_many(room, self.weights.get)
+            self._picked = self.fair.pop_many(room, self.weights.get, self._lane_room())
             self._update_gauge()
             try:
                 await self.admission.admit(self._picked)
@@ -271,20 +275,27 @@ class Intake:
         told not to). The blocking read takes one entry; the rest of a burst that woke it is read at once
         after it, so that the burst is admitted together (its first engine step holds all of it)."""
         entries: list[Entry] = []
-        for stream in self.streams.values():
-            if len(entries) >= room:
-                break
-            got = await self.redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=room - len(entries))
+        limits = self._lane_room()
+        open_streams = {s for lane, s in self.streams.items() if limits.get(lane, 1) > 0}
+        for lane, stream in self.streams.items():
+            count = min(room - len(entries), limits.get(lane, room))
+            if count <= 0:
+                continue
+            got = await self.redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
             entries += self._entries(got)
         if entries or not block:
             return entries
         got = await self.blocking.xreadgroup(
-            self.group, self.consumer, {s: ">" for s in self.streams.values()}, count=1, block=self.block_ms
+            self.group, self.consumer, {s: ">" for s in open_streams}, count=1, block=self.block_ms
         )
         entries = self._entries(got)
         if entries and room > 1:
             entries += await self._read(room - 1, block=False)
         return entries
+
+    def _lane_room(self) -> dict[str, int]:
+        """Per-lane limits on what may be read and admitted now (only the low lane has one)."""
+        return {} if self.low_lane_room is None else {"low": self.low_lane_room()}
 
     def _entries(self, reply) -> list[Entry]:
         lane_of = {s: lane for lane, s in self.streams.items()}

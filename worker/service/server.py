@@ -158,6 +158,7 @@ class WorkerService:
             reclaim_interval_s=cfg.reclaim_interval_s,
             metrics=self.metrics,
             window=window,
+            low_lane_room=self.low_lane_room,
             **self._names,
         )
 
@@ -220,6 +221,13 @@ class WorkerService:
             return 0
         used = sum(rec.seats for rec in self.inflight.values())
         return self.engine.limits.max_num_seqs + self.headroom - used
+
+    def low_lane_room(self) -> int:
+        """Seats the low lane (batches) may still take: three quarters of the engine's, so that a batch
+        queued in full never keeps the other lanes' requests waiting in Redis (the engine's
+        --low-priority-max-seqs then decides how many of the batch's run beside them)."""
+        limit = self.engine.limits.max_num_seqs - self.engine.limits.max_num_seqs // 4
+        return limit - sum(rec.seats for rec in self.inflight.values() if rec.lane == "low")
 
     def wake_engine(self) -> None:
         self.engine_loop.wake()
