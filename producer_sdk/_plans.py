@@ -9,8 +9,11 @@ and `ClientOptions.backoff`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar
+
+from redis.exceptions import NoPermissionError
 
 from producer_sdk import _core
 from producer_sdk._stats import StatsReader
@@ -35,13 +38,36 @@ def pipelined(fill: Callable[[Any], None]) -> Call:
 
 
 def queue_stats(model: str) -> Plan[QueueStats]:
-    """Lane lengths, dead letters and live workers; heartbeats of workers gone are pruned."""
+    """Lane lengths, dead letters and live workers; heartbeats of workers gone are pruned (where the
+    user may: an operator's read-only user leaves them)."""
     s = StatsReader(model)
     state_keys = s.after_reads((yield pipelined(s.queue_reads)))
     gone = s.after_states((yield lambda r: r.mget(state_keys)) if state_keys else [])
     if gone:
-        yield lambda r: r.zrem(s.heartbeats, *gone)
+        yield _unless_refused(lambda r: r.zrem(s.heartbeats, *gone))
     return s.stats()
+
+
+def _unless_refused(call: Call) -> Call:
+    """`call`, whose refusal by the ACL (an operator's read-only user) is no error: None instead."""
+
+    def guarded(redis: Any) -> Any:
+        try:
+            reply = call(redis)
+        except NoPermissionError:
+            return None
+        if not inspect.isawaitable(reply):
+            return reply
+
+        async def wait() -> Any:
+            try:
+                return await reply
+            except NoPermissionError:
+                return None
+
+        return wait()
+
+    return guarded
 
 
 def cancel(model: str, request_id: str, ttl_s: float) -> Plan[None]:

@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.cli_tenant import add_tenant_args
 
     add_tenant_args(sub.add_parser("tenant", help="tenant quotas: set, show, delete, recount"))
+    from producer_sdk.contract.acl import add_acl_args, cmd_acl
+
+    acl = sub.add_parser("acl", help="Redis ACL users for the producer, gateway, worker and operator roles")
+    add_acl_args(acl).set_defaults(func=cmd_acl)
     from worker.cli_migrate import add_migrate_args
 
     add_migrate_args(sub.add_parser("migrate", help="move a Redis node's keys from the layout before hash tags"))

@@ -1,16 +1,15 @@
-"""Security against a real worker: tenants isolated by the ACL users ops/README.md documents, and TLS."""
+"""Security against a real worker: tenants isolated by the per-tenant ACL users of `pagedq acl`, and TLS."""
 
 from __future__ import annotations
 
-import shlex
 import shutil
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import redis
 
 from producer_sdk import Client, PermissionDenied, tenants
+from producer_sdk.contract import acl as acl_rules
 from producer_sdk.contract import keys
 from producer_sdk.contract.connection import connect
 from tests.service.worker_proc import WorkerProc, wait_until
@@ -18,33 +17,15 @@ from worker.service.redis_proc import RedisProcess, free_port
 
 pytestmark = pytest.mark.single_node  # ACL users and TLS on one server
 
-README = Path(__file__).resolve().parents[2] / "ops" / "README.md"
-
-
-def documented_acl(user: str) -> list[str]:
-    """The `ACL SETUSER <user> ...` command of ops/README.md, as arguments."""
-    text = README.read_text()
-    start = text.index(f"ACL SETUSER {user} ")
-    lines = []
-    for line in text[start:].splitlines():
-        lines.append(line.rstrip("\\").strip())
-        if not line.rstrip().endswith("\\"):
-            break
-    return shlex.split(" ".join(lines))[2:]  # drop "ACL SETUSER"
-
 
 @pytest.fixture
 def acl(redis_url):
+    """Creates a user with the rules `pagedq acl` writes for a role (`narrow`: its --model-name/--tenant)."""
     admin = connect(redis_url, asyncio=False, socket_timeout=10)
     parts = urlsplit(redis_url)
 
-    def user(template: str, name: str, password: str, **replace: str) -> str:
-        args = documented_acl(template)
-        args = [a.replace(template, name) if a.startswith(("~", "&", "%")) else a for a in args]
-        for old, new in replace.items():
-            args = [a.replace(old, new) for a in args]
-        args = [f">{password}" if a.startswith(">") else a for a in args]
-        admin.execute_command("ACL", "SETUSER", name, *args[1:])
+    def user(role: str, name: str, password: str, **narrow) -> str:
+        admin.execute_command("ACL", "SETUSER", name, *acl_rules.rules(role, password, **narrow))
         return f"redis://{name}:{password}@{parts.hostname}:{parts.port}/0"
 
     yield user
@@ -54,10 +35,12 @@ def acl(redis_url):
     admin.close()
 
 
-def test_documented_acls_isolate_tenants(llama_dir, redis_url, acl):
-    worker_url = acl("pagedq-worker", "pagedq-worker", "worker-pw")
-    tenant_a = acl("tenant-a", "tenant-a", "pw-a")
-    tenant_b = acl("tenant-a", "tenant-b", "pw-b")
+def test_per_tenant_users_isolate_tenants(llama_dir, redis_url, acl):
+    """ops/README.md's per-tenant producers: a model name and a tenant each (`pagedq acl --role producer
+    --model-name tenant-a --tenant tenant-a`); tenant-b may not write into tenant-a's queue."""
+    worker_url = acl("worker", "pagedq-worker", "worker-pw")
+    tenant_a = acl("producer", "tenant-a", "pw-a", models=["tenant-a"], tenant="tenant-a")
+    tenant_b = acl("producer", "tenant-b", "pw-b", models=["tenant-b"], tenant="tenant-b")
     admin = connect(redis_url, asyncio=False, socket_timeout=10)
     tenants.set_quota(admin, "tenant-a", tokens_per_minute=10_000)  # the worker's ack counts tokens
     w = WorkerProc(llama_dir, worker_url, model="tenant-a", metrics=False).start()

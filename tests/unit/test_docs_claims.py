@@ -9,9 +9,10 @@
 - every `pagedq_*` metric name is one that a worker or a gateway exports;
 - every Redis key in the docs is one that `producer_sdk/contract/keys.py` makes (the old layout only in the
   section about migrating from it);
-- the ACL users the docs give (docs/sdk.md's producer, ops/README.md's tenant producer and worker) work: a
-  real producer runs as that user against a real worker, through everything the SDK does, including a
-  reader that waits more than its 2 s slice for a first token, and Redis refuses none of its commands.
+- the ACL users the docs have `pagedq acl` write (docs/sdk.md's producer, ops/README.md's tenant producer and
+  worker) work: a real producer runs as that user against a real worker, through everything the SDK does,
+  including a reader that waits more than its 2 s slice for a first token, and Redis refuses none of its
+  commands (tests/service/test_acl_roles.py runs every role).
 """
 
 from __future__ import annotations
@@ -619,18 +620,31 @@ def acl_users(path: Path) -> dict[str, list[str]]:
     return users
 
 
-def test_the_acl_parser_reads_the_docs():
-    assert set(acl_users(ROOT / "docs" / "sdk.md")) == {"agent"}
-    ops = acl_users(ROOT / "ops" / "README.md")
-    assert set(ops) == {"tenant-a", "pagedq-worker"}
-    assert "~pagedq:{tenant-a}:*" in ops["tenant-a"] and "+wait" in ops["pagedq-worker"]
+def test_the_docs_have_pagedq_acl_write_the_users():
+    """No hand-written ACL user: the docs show the `pagedq acl` commands these tests run."""
+    for path in (ROOT / "docs" / "sdk.md", ROOT / "ops" / "README.md", ROOT / "docs" / "tenants.md"):
+        assert acl_users(path) == {}, path
+    assert "pagedq acl --role producer" in (ROOT / "docs" / "sdk.md").read_text()
+    ops = (ROOT / "ops" / "README.md").read_text()
+    assert "pagedq acl --role producer --user producer=tenant-a --model-name tenant-a --tenant tenant-a" in ops
+    assert "pagedq acl --role worker" in ops
+
+
+def generated(role: str, password: str, **narrow) -> list[str]:
+    """The rules `pagedq acl` writes for the role (after the user name)."""
+    from producer_sdk.contract import acl
+
+    return acl.rules(role, password, **narrow)
+
+
+PASSWORD = "secret"
 
 
 def create_user(admin, name: str, rules: list[str], redis_url: str) -> str:
-    """Create the user exactly as the doc says (after removing an older one) and return its URL."""
+    """Create the user with these rules (made with `PASSWORD`; after removing an older one), return its URL."""
     admin.execute_command("ACL", "DELUSER", name)
     admin.execute_command("ACL", "SETUSER", name, *rules)
-    password = next(r[1:] for r in rules if r.startswith(">"))
+    password = PASSWORD
     parts = urlsplit(redis_url)
     return f"redis://{name}:{password}@{parts.hostname}:{parts.port}/0"
 
@@ -731,8 +745,7 @@ async def test_the_producer_acl_of_sdk_md_runs_everything_the_sdk_does(redis_url
     from producer_sdk import tenants
     from tests.service.worker_proc import WorkerProc
 
-    users = acl_users(ROOT / "docs" / "sdk.md")
-    url = create_user(admin, "agent", users["agent"], redis_url)
+    url = create_user(admin, "agent", generated("producer", PASSWORD), redis_url)  # pagedq acl --role producer
     # a tenant with every kind of quota, so the enqueue step runs its quota part too
     tenants.set_quota(admin, "team-a", max_queued=100, requests_per_minute=1000, tokens_per_minute=100_000)
     worker = WorkerProc(llama_dir, redis_url, env=SLOW_STEPS)
@@ -740,20 +753,20 @@ async def test_the_producer_acl_of_sdk_md_runs_everything_the_sdk_does(redis_url
         await run_producer(url, "default", "team-a", admin, worker.start)
     finally:
         worker.stop()
-    assert not acl_refusals(admin), f"Redis refused commands of docs/sdk.md's user: {acl_refusals(admin)}"
+    assert not acl_refusals(admin), f"Redis refused commands of the producer's user: {acl_refusals(admin)}"
 
 
 @pytest.mark.single_node
 @pytest.mark.slow
-async def test_the_tenant_and_worker_acls_of_ops_readme_serve_a_tenant(redis_url, admin, llama_dir):
+async def test_the_tenant_and_worker_users_of_ops_readme_serve_a_tenant(redis_url, admin, llama_dir):
     from producer_sdk import tenants
     from tests.service.worker_proc import WorkerProc
 
-    users = acl_users(ROOT / "ops" / "README.md")
-    worker_url = create_user(admin, "pagedq-worker", users["pagedq-worker"], redis_url)
-    tenant_url = create_user(admin, "tenant-a", users["tenant-a"], redis_url)
-    # "this user's clients must submit as tenant `tenant-a`": the model is the tenant's namespace too
+    # `pagedq acl --role worker` and `pagedq acl --role producer --user producer=tenant-a --model-name tenant-a
+    # --tenant tenant-a`: "this user's clients must submit as tenant `tenant-a`", to the model `tenant-a`
     model = tenant = "tenant-a"
+    worker_url = create_user(admin, "pagedq-worker", generated("worker", PASSWORD), redis_url)
+    tenant_url = create_user(admin, tenant, generated("producer", PASSWORD, models=[model], tenant=tenant), redis_url)
     tenants.set_quota(admin, tenant, max_queued=100, requests_per_minute=1000, tokens_per_minute=100_000)
     admin.zadd(keys.models(), {model: int(time.time() * 1000)})  # served before (the client checks the name)
     worker = WorkerProc(llama_dir, worker_url, model=model, env=SLOW_STEPS)
@@ -761,7 +774,7 @@ async def test_the_tenant_and_worker_acls_of_ops_readme_serve_a_tenant(redis_url
         await run_producer(tenant_url, model, tenant, admin, worker.start)
     finally:
         worker.stop()
-    assert not acl_refusals(admin), f"Redis refused commands of ops/README.md's users: {acl_refusals(admin)}"
+    assert not acl_refusals(admin), f"Redis refused the tenant's or the worker's commands: {acl_refusals(admin)}"
     assert "NOPERM" not in worker.log()
 
 
@@ -772,7 +785,7 @@ def test_a_missing_command_is_what_the_acl_test_catches(redis_url, admin):
 
     from producer_sdk.contract.connection import connect
 
-    rules = [r for r in acl_users(ROOT / "docs" / "sdk.md")["agent"] if r != "+xrange"]
+    rules = [r.replace(" +xrange", "") for r in generated("producer", PASSWORD)]
     url = create_user(admin, "agent", rules, redis_url)
     before = xrange_calls(admin)
     user = connect(url, asyncio=False, socket_timeout=10)
