@@ -158,8 +158,15 @@ class Gateway:
         deadline = self.deadline_s(request)
         created = int(time.time())
         n = int(submit.get("n", 1))
+        token_ids = m.token_ids or self.config.return_tokens_as_token_ids
         record = records.Record(
-            kind=kind, model=m.model, created=created, n=n, include_usage=m.include_usage, tenant=caller.tenant
+            kind=kind,
+            model=m.model,
+            created=created,
+            n=n,
+            include_usage=m.include_usage,
+            tenant=caller.tenant,
+            token_ids=token_ids,
         )
         client = self.client(m.model)
         # Until the request runs, its record outlives any queueing; from then on the worker gives it the
@@ -191,7 +198,7 @@ class Gateway:
             earlier = records.decode(await self.redis.get(keys.gateway_record(rid)))
             if earlier is not None:
                 created = earlier.created
-        renderer = Renderer(kind, rid, m.model, created, include_usage=m.include_usage)
+        renderer = Renderer(kind, rid, m.model, created, include_usage=m.include_usage, token_ids=token_ids)
         cancel = None if resumable else self._canceller(client, rid)
         reply_headers = {REQUEST_ID_HEADER: rid}
         if m.stream:
@@ -237,7 +244,14 @@ class Gateway:
             raise errors.not_found(f"No {kind} completion with id {given!r} (or it expired).")
         request.state.request_id = rid
         stream = request.query_params.get("stream", "false").lower() == "true"
-        renderer = Renderer(kind, rid, record.model, record.created, include_usage=record.include_usage)
+        renderer = Renderer(
+            kind,
+            rid,
+            record.model,
+            record.created,
+            include_usage=record.include_usage,
+            token_ids=record.token_ids or self.config.return_tokens_as_token_ids,
+        )
         handle = self.client(record.model).handle(rid)
         if stream:
             after = self._last_event_id(request)

@@ -36,6 +36,7 @@ class GatewayConfig:
     request_timeout_s: float | None = None  # default deadline of every request (None: none)
     retry_after_s: int = 1
     registry_refresh_s: float = 1.0
+    return_tokens_as_token_ids: bool = False  # vLLM's flag: logprobs name tokens "token_id:N"
     log_level: str = "info"
 
     @staticmethod
@@ -104,6 +105,13 @@ class GatewayConfig:
             help="deadline in seconds of every request (504 after it; default: none). A request may "
             "ask for a shorter one with the header `pagedq-timeout: SECONDS`",
         )
+        g.add_argument(
+            "--return-tokens-as-token-ids",
+            action=argparse.BooleanOptionalAction,
+            default=_flag("return_tokens_as_token_ids"),
+            help='logprobs name each token "token_id:N" (vLLM\'s flag), not by its text; a request can ask '
+            "for it with the extra field return_tokens_as_token_ids",
+        )
         g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 429 (queue full)")
         g.add_argument("--log-level", default=(_env("log_level") or "info").lower())
 
@@ -123,5 +131,6 @@ class GatewayConfig:
             batch_window=args.batch_window,
             request_timeout_s=args.request_timeout,
             retry_after_s=args.retry_after,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             log_level=args.log_level.lower(),
         )

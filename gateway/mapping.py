@@ -51,6 +51,7 @@ class Mapped(msgspec.Struct):
     submit: dict[str, Any]  # keyword arguments of AsyncClient.submit
     param_names: dict[str, str]  # protocol field -> the OpenAI parameter the client used
     constraint: str | None = None  # the parameter that constrains the output (response_format, ...)
+    token_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
     def failure_param(self, code: str) -> str | None:
         """The parameter a worker's error event (by its code) is about, if any."""
@@ -100,6 +101,7 @@ def map_chat(body: ChatCompletionRequest) -> Mapped:
         submit,
         names,
         mapping_chat.constraint_param(submit),
+        bool(body.return_tokens_as_token_ids),
     )
 
 
@@ -138,6 +140,7 @@ def map_completion(body: CompletionRequest) -> Mapped:
         submit,
         names,
         mapping_chat.constraint_param(submit),
+        bool(body.return_tokens_as_token_ids),
     )
 
 

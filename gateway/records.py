@@ -36,6 +36,7 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     include_usage: bool = False
     tenant: str | None = None
+    token_ids: bool = False  # logprobs name tokens "token_id:N" (return_tokens_as_token_ids)
     response: StoredResponse | None = None  # kind "response" only
 
 

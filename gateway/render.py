@@ -1,7 +1,12 @@
 """OpenAI response objects and SSE chunks from the SDK's `Chunk`s and `Completion`.
 
-Token strings: the response stream carries token ids, not their text, so a logprobs entry names its
-token the way vLLM's ``--return-tokens-as-token-ids`` does (``"token_id:123"``), with ``bytes`` null.
+Logprobs: each entry's ``token`` is the token's text and ``bytes`` its UTF-8 bytes, as the worker
+sent them (`Tokens.token_texts` / `token_bytes`, made with the model's tokenizer, which the gateway does
+not load): for a token inside a multi-byte character, its own bytes and the text that decodes so far, so
+the texts concatenate to the output text. With vLLM's ``--return-tokens-as-token-ids`` (the gateway
+flag, or the request's ``return_tokens_as_token_ids``), and for a worker too old to send texts, the
+token is named ``"token_id:123"`` instead (``bytes``: the token's bytes when known, else null).
+Completions' ``text_offset`` is each token's offset in the text (the running length of the token texts).
 
 Tool calls: a chat message carries the calls the worker parsed (`tool_calls`, `content` null when the
 model wrote nothing else); streamed, each ToolCalls event becomes a chunk of OpenAI's
@@ -18,7 +23,7 @@ import msgspec
 from gateway.mapping import CHAT
 from producer_sdk.chat import ToolCall, ToolCallDelta
 from producer_sdk.protocol import Usage
-from producer_sdk.results import Chunk, Completion
+from producer_sdk.results import Choice, Chunk, Completion
 
 _json = msgspec.json.Encoder()
 ID_PREFIX = {CHAT: "chatcmpl-", "completion": "cmpl-"}
@@ -48,32 +53,82 @@ def usage(u: Usage) -> dict[str, Any]:
     }
 
 
-def chat_logprobs(token_ids: list[int], lps: list[float] | None, tops: list | None) -> dict[str, Any] | None:
-    if lps is None:
+def _at(values: list | None, i: int) -> Any:
+    return values[i] if values is not None and i < len(values) else None
+
+
+class _Tokens:
+    """The logprobs of a Chunk or Choice: per position, (token, bytes, logprob, [(token, bytes, logprob)])."""
+
+    def __init__(self, c: Chunk | Choice, as_ids: bool) -> None:
+        self.c, self.as_ids = c, as_ids
+        self.n = min(len(c.token_ids), len(c.logprobs or []))
+        self.has_texts = not as_ids and c.token_texts is not None
+
+    def token(self, i: int) -> tuple[str, bytes | None]:
+        c = self.c
+        data = _at(c.token_bytes, i)
+        if self.has_texts and i < len(c.token_texts or []):
+            return c.token_texts[i], data  # type: ignore[index]
+        return token_name(c.token_ids[i]), data
+
+    def top(self, i: int) -> list[tuple[str, bytes | None, float]]:
+        c = self.c
+        tops = _at(c.top_logprobs, i) or []
+        texts = _at(c.top_token_texts, i) if self.has_texts else None
+        datas = _at(c.top_token_bytes, i)
+        return [
+            (
+                texts[j] if texts is not None and j < len(texts) else token_name(t),
+                _at(datas, j),
+                v,
+            )
+            for j, (t, v) in enumerate(tops)
+        ]
+
+
+def _bytes(data: bytes | None) -> list[int] | None:
+    return None if data is None else list(data)
+
+
+def chat_logprobs(c: Chunk | Choice, as_ids: bool = False, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's `choice.logprobs` of a chat chunk or choice (None without logprobs)."""
+    del offset
+    if c.logprobs is None:
         return None
+    t = _Tokens(c, as_ids)
     content = []
-    for i, (tid, lp) in enumerate(zip(token_ids, lps)):
-        top = tops[i] if tops and i < len(tops) else []
+    for i in range(t.n):
+        token, data = t.token(i)
         content.append(
             {
-                "token": token_name(tid),
-                "logprob": lp,
-                "bytes": None,
-                "top_logprobs": [{"token": token_name(t), "logprob": v, "bytes": None} for t, v in top],
+                "token": token,
+                "logprob": c.logprobs[i],
+                "bytes": _bytes(data),
+                "top_logprobs": [{"token": s, "logprob": v, "bytes": _bytes(b)} for s, b, v in t.top(i)],
             }
         )
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(token_ids: list[int], lps: list[float] | None, tops: list | None) -> dict[str, Any] | None:
-    if lps is None:
+def completion_logprobs(c: Chunk | Choice, as_ids: bool = False, offset: int = 0) -> dict[str, Any] | None:
+    """The legacy completions' `choice.logprobs` (None without logprobs); `offset`: the characters of
+    the sample's token texts before these tokens (a stream's earlier chunks)."""
+    if c.logprobs is None:
         return None
-    n = min(len(token_ids), len(lps))
+    t = _Tokens(c, as_ids)
+    tokens = [t.token(i)[0] for i in range(t.n)]
+    offsets = None
+    if c.token_texts is not None:
+        offsets = []
+        for text in c.token_texts[: t.n]:
+            offsets.append(offset)
+            offset += len(text)
     return {
-        "tokens": [token_name(t) for t in token_ids[:n]],
-        "token_logprobs": list(lps[:n]),
-        "top_logprobs": [{token_name(t): v for t, v in (tops[i] if tops and i < len(tops) else [])} for i in range(n)],
-        "text_offset": None,
+        "tokens": tokens,
+        "token_logprobs": list(c.logprobs[: t.n]),
+        "top_logprobs": [{s: v for s, _, v in t.top(i)} for i in range(t.n)],
+        "text_offset": offsets,
     }
 
 
@@ -96,8 +151,20 @@ def tool_call(c: ToolCall) -> dict[str, Any]:
 class Renderer:
     """Builds the objects of one request (chat or completion), streamed or whole."""
 
-    def __init__(self, kind: str, request_id: str, model: str, created: int, *, include_usage: bool = False) -> None:
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        created: int,
+        *,
+        include_usage: bool = False,
+        token_ids: bool = False,
+    ) -> None:
+        """`token_ids`: name logprobs' tokens ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
         self.kind = kind
+        self.token_ids = token_ids
+        self._offsets: dict[int, int] = {}  # completions, streamed: per choice, the token texts' length so far
         self.id = response_id(kind, request_id)
         self.model = model
         self.created = created
@@ -126,7 +193,10 @@ class Renderer:
         if c.tool_calls:
             delta = {"tool_calls": [tool_call_delta(d) for d in c.tool_calls]}
             return self._frame(c.seq, [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
-        lp = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+        offset = self._offsets.get(c.index, 0)
+        lp = self._logprobs(c, self.token_ids, offset)
+        if lp is not None and c.token_texts is not None and self.kind != CHAT:
+            self._offsets[c.index] = offset + sum(map(len, c.token_texts))
         if self.kind == CHAT:
             if c.content is not None and not c.content and lp is None:
                 return b""
@@ -159,7 +229,7 @@ class Renderer:
     def whole(self, done: Completion) -> bytes:
         choices = []
         for ch in done.choices:
-            lp = self._logprobs(ch.token_ids, ch.logprobs, ch.top_logprobs)
+            lp = self._logprobs(ch, self.token_ids)
             stop_reason = done.stop_reason if ch.index == 0 else None
             if self.kind == CHAT:
                 calls = [tool_call(c) for c in ch.tool_calls or []]

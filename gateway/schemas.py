@@ -60,6 +60,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool | None = None
     structured_outputs: StructuredOutputsParams | None = None
     response_format: ResponseFormat | None = None  # OpenAI's for chat; vLLM's extra field for completions
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

@@ -119,6 +119,10 @@ class CompletionBuilder:
         self.ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[float] | None] = {}
         self.top: dict[int, list | None] = {}
+        self.texts: dict[int, list | None] = {}
+        self.bytes: dict[int, list | None] = {}
+        self.top_texts: dict[int, list | None] = {}
+        self.top_bytes: dict[int, list | None] = {}
         self.worker: str | None = None
 
     def add_tool_calls(self, ev: ToolCalls) -> None:
@@ -131,10 +135,20 @@ class CompletionBuilder:
         self.text.setdefault(i, []).append(ev.text)
         self.content.setdefault(i, []).append(ev.text if ev.content is None else ev.content)
         self.ids.setdefault(i, []).extend(ev.token_ids)
-        for store, value in ((self.logprobs, ev.logprobs), (self.top, ev.top_logprobs)):
+        for store, value in (
+            (self.logprobs, ev.logprobs),
+            (self.top, ev.top_logprobs),
+            (self.texts, ev.token_texts),
+            (self.bytes, ev.token_bytes),
+            (self.top_texts, ev.top_token_texts),
+            (self.top_bytes, ev.top_token_bytes),
+        ):
             if value is not None:
                 got = store.get(i)
-                store[i] = (got or []) + list(value)
+                if got is None:
+                    store[i] = list(value)
+                else:
+                    got.extend(value)
             else:
                 store.setdefault(i, None)
 
@@ -151,9 +165,13 @@ class CompletionBuilder:
                 text="".join(self.text.get(i, [])),
                 token_ids=self.ids.get(i, []),
                 finish_reason=reasons[i] if i < len(reasons) else (fin.finish_reason if fin else None),
-                logprobs=self.logprobs.get(i),
-                top_logprobs=self.top.get(i),
+                logprobs=_copy(self.logprobs.get(i)),
+                top_logprobs=_copy(self.top.get(i)),
                 content="".join(self.content.get(i, [])),
+                token_texts=_copy(self.texts.get(i)),
+                token_bytes=_copy(self.bytes.get(i)),
+                top_token_texts=_copy(self.top_texts.get(i)),
+                top_token_bytes=_copy(self.top_bytes.get(i)),
                 tool_calls=[c.build() for _, c in sorted(self.calls[i].items())] if self.calls.get(i) else None,
             )
             for i in range(n)
@@ -173,6 +191,11 @@ class CompletionBuilder:
             content=first.content,
             tool_calls=first.tool_calls,
         )
+
+
+def _copy(values: list | None) -> list | None:
+    """A built Completion's own list (the builder's goes on growing if more events come)."""
+    return None if values is None else list(values)
 
 
 def outcome(completion: Completion, *, partial_ok: bool) -> Completion:
@@ -296,7 +319,19 @@ class Follower:
                 continue  # written by a newer worker: its seq counts, its content is not ours to read
             if isinstance(ev, Tokens):
                 self.builder.add(ev)
-                yield Chunk(ev.text, ev.token_ids, ev.index, ev.logprobs, ev.top_logprobs, ev.seq, ev.content)
+                yield Chunk(
+                    ev.text,
+                    ev.token_ids,
+                    ev.index,
+                    ev.logprobs,
+                    ev.top_logprobs,
+                    ev.seq,
+                    ev.content,
+                    token_texts=ev.token_texts,
+                    token_bytes=ev.token_bytes,
+                    top_token_texts=ev.top_token_texts,
+                    top_token_bytes=ev.top_token_bytes,
+                )
             elif isinstance(ev, ToolCalls):
                 self.builder.add_tool_calls(ev)
                 yield Chunk("", [], ev.index, seq=ev.seq, content="", tool_calls=ev.tool_calls)

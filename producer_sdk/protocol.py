@@ -178,7 +178,14 @@ class Started(msgspec.Struct, tag="started", tag_field="type", kw_only=True, omi
 
 class Tokens(msgspec.Struct, tag="tokens", tag_field="type", kw_only=True, omit_defaults=True):
     """New tokens of sample `index` (of `n`); `text` is the detokenized delta. In a request with tools,
-    `content` is the part of `text` that is message content (tool-call markup left out)."""
+    `content` is the part of `text` that is message content (tool-call markup left out).
+
+    With logprobs, `token_texts` / `token_bytes` give each token's text and UTF-8 bytes, and
+    `top_token_texts` / `top_token_bytes` those of its `top_logprobs` tokens (same order), as OpenAI's
+    logprobs entries show them: the bytes are the token's own (part of a character, for a character
+    split over byte-level tokens), the text is what decodes so far ("" while a character is incomplete;
+    the token completing it carries it whole), so the texts concatenate to the output text (special
+    tokens show their own text). A worker older than these fields leaves them out (None)."""
 
     seq: int
     attempt: int = 1
@@ -188,6 +195,10 @@ class Tokens(msgspec.Struct, tag="tokens", tag_field="type", kw_only=True, omit_
     logprobs: list[float] | None = None  # one per token id
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (token id, logprob)
     content: str | None = None
+    token_texts: list[str] | None = None  # one per token id, with logprobs
+    token_bytes: list[bytes] | None = None
+    top_token_texts: list[list[str]] | None = None  # parallel to top_logprobs
+    top_token_bytes: list[list[bytes]] | None = None
 
 
 class Finished(msgspec.Struct, tag="finished", tag_field="type", kw_only=True, omit_defaults=True):

@@ -14,7 +14,11 @@ from producer_sdk.protocol import Timings, Usage, WorkerState
 class Chunk(msgspec.Struct, frozen=True):
     """New tokens of one sample (`index`), as they arrive. With tools, `content` is the part of `text`
     that is message content, and a chunk may carry tool-call deltas only (no text): `tool_calls`, whose
-    `arguments` fragments joined per call `index` are that call's arguments."""
+    `arguments` fragments joined per call `index` are that call's arguments.
+
+    With `logprobs`: `token_texts` and `token_bytes` are each token's text and UTF-8 bytes, and
+    `top_token_texts` / `top_token_bytes` those of its `top_logprobs` tokens (docs/sdk.md, "Logprobs";
+    None from a worker too old to send them)."""
 
     text: str
     token_ids: list[int]
@@ -24,6 +28,10 @@ class Chunk(msgspec.Struct, frozen=True):
     seq: int = 0
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    token_texts: list[str] | None = None
+    token_bytes: list[bytes] | None = None
+    top_token_texts: list[list[str]] | None = None
+    top_token_bytes: list[list[bytes]] | None = None
 
 
 def _parse_json(text: str) -> Any:
@@ -32,7 +40,8 @@ def _parse_json(text: str) -> Any:
 
 class Choice(msgspec.Struct):
     """One sample. `content` is `text` without tool-call markup (equal to it for requests without
-    tools); `tool_calls` are the calls parsed from it (None when it made none)."""
+    tools); `tool_calls` are the calls parsed from it (None when it made none). With logprobs, the
+    tokens' texts and bytes as in `Chunk`."""
 
     index: int
     text: str
@@ -42,6 +51,10 @@ class Choice(msgspec.Struct):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     content: str = ""
     tool_calls: list[ToolCall] | None = None
+    token_texts: list[str] | None = None
+    token_bytes: list[bytes] | None = None
+    top_token_texts: list[list[str]] | None = None
+    top_token_bytes: list[list[bytes]] | None = None
 
     def json(self) -> Any:
         """The text parsed as JSON (a structured-output answer); raises ValueError when it is not JSON,

@@ -60,10 +60,10 @@ class OpenAIEndpoint:
         mapped = mapping.map_chat(m) if self.kind == mapping.CHAT else mapping.map_completion(m)
         if mapped.stream:
             raise errors.invalid("A batch line cannot stream: set stream to false or leave it out.", "stream")
-        kind, model = self.kind, mapped.model
+        kind, model, token_ids = self.kind, mapped.model, mapped.token_ids
 
         def render(request_id: str, done: Completion) -> dict[str, Any]:
-            return json.loads(Renderer(kind, request_id, model, int(time.time())).whole(done))
+            return json.loads(Renderer(kind, request_id, model, int(time.time()), token_ids=token_ids).whole(done))
 
         return PreparedLine(
             model=model,

@@ -195,7 +195,7 @@ def test_tools_tool_turns_and_formats_map_onto_the_wire_names():
     assert m.failure_param("prompt_too_long") == "prompt" and chat().failure_param("tools_unsupported") == "tools"
 
 
-def _done(text="ab", reason="stop") -> Completion:
+def _done(text="ab", reason="stop", texts=False) -> Completion:
     choice = Choice(
         index=0,
         text=text,
@@ -205,6 +205,10 @@ def _done(text="ab", reason="stop") -> Completion:
         top_logprobs=[[(1, -0.5), (7, -2.0)], [(2, -0.25), (8, -3.0)]],
         content=text,
     )
+    if texts:  # "é" split over two byte-level tokens
+        choice.text = choice.content = "é"
+        choice.token_texts, choice.token_bytes = ["", "é"], [b"\xc3", b"\xa9"]
+        choice.top_token_texts, choice.top_token_bytes = [["", "x"], ["é", "y"]], [[b"\xc3", b"x"], [b"\xa9", b"y"]]
     return Completion("r", text, [1, 2], reason, stop_reason="\n", usage=Usage(5, 2, 3), choices=[choice])
 
 
@@ -221,7 +225,7 @@ def test_shapes_of_chat_objects_and_chunks():
     }
     lp = whole["choices"][0]["logprobs"]["content"]
     assert lp[0] == {
-        "token": "token_id:1",
+        "token": "token_id:1",  # a worker that sends no texts (older than them)
         "logprob": -0.5,
         "bytes": None,
         "top_logprobs": [
@@ -229,6 +233,24 @@ def test_shapes_of_chat_objects_and_chunks():
             {"token": "token_id:7", "logprob": -2.0, "bytes": None},
         ],
     }
+    lp = json.loads(r.whole(_done(texts=True)))["choices"][0]["logprobs"]["content"]
+    assert lp[0] == {
+        "token": "",  # the first byte of "é": nothing decodes yet
+        "logprob": -0.5,
+        "bytes": [0xC3],
+        "top_logprobs": [
+            {"token": "", "logprob": -0.5, "bytes": [0xC3]},
+            {"token": "x", "logprob": -2.0, "bytes": [0x78]},
+        ],
+    }
+    assert lp[1]["token"] == "é" and lp[1]["bytes"] == [0xA9]
+    named = Renderer("chat", "abcdefgh", "m", 123, token_ids=True).whole(_done(texts=True))
+    lp = json.loads(named)["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in lp] == ["token_id:1", "token_id:2"] and lp[0]["bytes"] == [0xC3]
+    assert lp[0]["top_logprobs"][1] == {"token": "token_id:7", "logprob": -2.0, "bytes": [0x78]}
+    frame = r.token_frame(Chunk("é", [1, 2], 0, [-0.5, -0.25], [[], []], 3, None, None, ["", "é"], [b"\xc3", b"\xa9"]))
+    obj = json.loads(frame.decode().split("data: ", 1)[1])
+    assert [e["token"] for e in obj["choices"][0]["logprobs"]["content"]] == ["", "é"]
     frame = r.token_frame(Chunk("a", [1], 0, seq=4)).decode()
     assert frame.startswith("id: 4\ndata: ") and frame.endswith("\n\n")
     obj = json.loads(frame.split("data: ", 1)[1])
@@ -246,11 +268,25 @@ def test_shapes_of_completion_objects():
     whole = json.loads(r.whole(_done()))
     assert whole["id"] == "cmpl-abcdefgh" and whole["object"] == "text_completion"
     assert whole["choices"][0]["logprobs"] == {
-        "tokens": ["token_id:1", "token_id:2"],
+        "tokens": ["token_id:1", "token_id:2"],  # a worker that sends no texts (older than them)
         "token_logprobs": [-0.5, -0.25],
         "top_logprobs": [{"token_id:1": -0.5, "token_id:7": -2.0}, {"token_id:2": -0.25, "token_id:8": -3.0}],
         "text_offset": None,
     }
+    assert json.loads(r.whole(_done(texts=True)))["choices"][0]["logprobs"] == {
+        "tokens": ["", "é"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"": -0.5, "x": -2.0}, {"é": -0.25, "y": -3.0}],
+        "text_offset": [0, 0],
+    }
+    streamed = Renderer("completion", "abcdefgh", "m", 1)
+    offsets = []
+    for texts in (["a", "bc"], ["d"]):
+        chunk = Chunk("".join(texts), [1] * len(texts), 0, [-1.0] * len(texts), None, 1, None, None, texts)
+        offsets += json.loads(streamed.token_frame(chunk).decode().split("data: ", 1)[1])["choices"][0]["logprobs"][
+            "text_offset"
+        ]
+    assert offsets == [0, 1, 3]
     obj = json.loads(r.token_frame(Chunk("a", [1], 0, seq=1)).decode().split("data: ", 1)[1])
     assert "usage" not in obj and obj["choices"][0]["text"] == "a"
 

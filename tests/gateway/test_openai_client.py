@@ -141,7 +141,8 @@ def test_logprobs_as_the_protocol_carries_them(client, gw_redis_url):
     with Client(gw_redis_url) as sdk:
         done = sdk.generate(messages=MESSAGES, max_tokens=5, temperature=0, logprobs=3)
     assert [e.logprob for e in content] == pytest.approx(done.logprobs)
-    assert [e.token for e in content] == [f"token_id:{t}" for t in done.token_ids]
+    assert [e.token for e in content] == done.choices[0].token_texts  # texts: tests/gateway/test_logprobs_text.py
+    assert [bytes(e.bytes) for e in content] == done.choices[0].token_bytes
     assert all(len(e.top_logprobs) == 3 for e in content)
     legacy = client.completions.create(model="default", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
     lp = legacy.choices[0].logprobs

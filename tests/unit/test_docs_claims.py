@@ -57,7 +57,6 @@ FOREIGN_FLAGS = {
     "--check": "ruff format --check",
     "--cluster": "redis-cli --cluster reshard",
     "--from-literal": "kubectl create secret generic --from-literal",
-    "--return-tokens-as-token-ids": "vLLM's server flag, named in docs/gateway.md",
 }
 
 

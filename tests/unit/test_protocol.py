@@ -135,6 +135,17 @@ def test_sampling_defaults_follow_vllm_except_max_tokens():
         Started(seq=0, worker="gpu-1", attempt=2),
         Tokens(seq=1, index=0, token_ids=[5, 6], text="hé"),
         Tokens(seq=2, index=1, token_ids=[5], text="x", logprobs=[-0.1], top_logprobs=[[(5, -0.1), (9, -2.5)]]),
+        Tokens(
+            seq=2,
+            token_ids=[5, 6],
+            text="é",
+            logprobs=[-0.1, -0.2],
+            top_logprobs=[[(5, -0.1)], [(6, -0.2)]],
+            token_texts=["", "é"],
+            token_bytes=[b"\xc3", b"\xa9"],
+            top_token_texts=[[""], ["é"]],
+            top_token_bytes=[[b"\xc3"], [b"\xa9"]],
+        ),
         Finished(
             seq=3,
             finish_reason="stop",
@@ -164,6 +175,28 @@ def test_events_are_a_tagged_union_on_type():
 def test_events_ignore_unknown_fields_for_forward_compatibility():
     ev = decode_event(pack({"type": "started", "seq": 0, "worker": "w", "gpu": "H200"}))
     assert ev == Started(seq=0, worker="w")
+
+
+def test_token_texts_are_an_addition_old_readers_ignore():
+    """The logprobs' token texts and bytes (issue 47) are fields an older SDK skips (events ignore unknown
+    fields), and an older worker's Tokens event reads with them None."""
+
+    class OldTokens(msgspec.Struct, tag="tokens", tag_field="type", kw_only=True):  # Tokens before them
+        seq: int
+        attempt: int = 1
+        index: int = 0
+        token_ids: list[int]
+        text: str = ""
+        logprobs: list[float] | None = None
+        top_logprobs: list[list[tuple[int, float]]] | None = None
+        content: str | None = None
+
+    new = Tokens(seq=1, token_ids=[7], text="é", logprobs=[-0.5], token_texts=["é"], token_bytes=[b"\xc3\xa9"])
+    old = msgspec.msgpack.decode(encode_event(new), type=OldTokens)
+    assert (old.token_ids, old.text, old.logprobs) == ([7], "é", [-0.5])
+    back = decode_event(msgspec.msgpack.encode(old))
+    assert back == Tokens(seq=1, token_ids=[7], text="é", logprobs=[-0.5])
+    assert back.token_texts is None and back.token_bytes is None and back.top_token_texts is None
 
 
 @pytest.mark.parametrize("data", [b"\xc1", b"", b"\x92\x01"])

@@ -3,7 +3,8 @@
 Each sequence carries an incremental detokenizer; a new token is fed to it, vLLM's stop rules are
 applied (EOS, stop token ids, stop strings, max_tokens, max_model_len, a completed grammar), and a
 request's output for a step holds what each of its samples added since the last one handed out (token
-ids, text, logprobs, and for a request with tools the content and tool-call deltas its parser found).
+ids, text, logprobs with the tokens' texts and bytes, and for a request with tools the content and
+tool-call deltas its parser found).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.outputs import CompletionOutput, RequestOutput
 from worker.engine.request import Request, SeqStatus, Sequence
 from worker.engine.sampler import SamplerOutput
+from worker.engine.token_text import TokenTexts, for_tokenizer
 
 
 class OutputProcessor:
@@ -21,6 +23,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.texts: TokenTexts | None = for_tokenizer(tokenizer) if tokenizer is not None else None
 
     def attach_detokenizer(self, seq: Sequence) -> None:
         """The sequence's detokenizer, and its tool-call parser when the request has tools."""
@@ -52,9 +55,21 @@ class OutputProcessor:
             k = seq.request.sampling_params.logprobs
             if lp is not None and k is not None:
                 seq.logprobs.append(lp[r])
-                seq.top_logprobs.append(list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else [])
+                top = list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else []
+                seq.top_logprobs.append(top)
+                if self.texts is not None:
+                    self._add_texts(seq, token, top)
             statuses.append(self.check_stop(seq, token))
         return statuses
+
+    def _add_texts(self, seq: Sequence, token: int, top: list[tuple[int, float]]) -> None:
+        """The text and bytes of the sampled token and of its top alternatives (`token_text`)."""
+        assert self.texts is not None
+        text, data, seq.held_bytes, top_texts, top_bytes = self.texts.step(seq.held_bytes, token, top)
+        seq.token_texts.append(text)
+        seq.token_bytes.append(data)
+        seq.top_texts.append(top_texts)
+        seq.top_bytes.append(top_bytes)
 
     def check_stop(self, seq: Sequence, token: int) -> SeqStatus | None:
         """Feed the newest token to the detokenizer (unless it is the stop token) and apply vLLM's stops."""
@@ -83,9 +98,12 @@ class OutputProcessor:
         text and stop-string state are what the first worker had), never handed out again. Returns the
         status the sample had stopped with, if it had."""
         status = None
+        texts = self.texts if seq.request.sampling_params.logprobs is not None else None
         for token in delivered:
             seq.token_ids.append(token)
             status = self.check_stop(seq, token)
+            if texts is not None:  # the bytes of a character split across the handover stay held
+                seq.held_bytes = texts.sampled(seq.held_bytes, token)[2]
         if seq.tool_parser is not None:  # its deltas were delivered with those tokens
             seq.tool_parser.feed(seq.pending_text)
         seq.pending_text = ""
@@ -124,6 +142,8 @@ class OutputProcessor:
                 out.logprobs, out.top_logprobs = list(seq.logprobs), list(seq.top_logprobs)
                 out.delta_logprobs = (old.delta_logprobs if old else []) + seq.logprobs[lp_start:]
                 out.delta_top_logprobs = (old.delta_top_logprobs if old else []) + seq.top_logprobs[lp_start:]
+                if len(seq.token_texts) == len(seq.logprobs):  # the tokenizer gave texts
+                    _texts(seq, lp_start, out, old)
             if seq.tool_parser is not None:
                 _parse_tools(seq, delta, out, old)
             completions.append(out)
@@ -137,6 +157,24 @@ class OutputProcessor:
             error=req.error,
             error_code=req.error_code,
         )
+
+
+def _texts(seq: Sequence, lp_start: int, out: CompletionOutput, old: CompletionOutput | None) -> None:
+    """The tokens' texts and bytes: what this step added (on top of `old`), and, once the sample
+    finished, all of them (not copied at every step: the deltas are what a stream needs)."""
+    if seq.finished:
+        out.token_texts, out.token_bytes = seq.token_texts, seq.token_bytes
+        out.top_token_texts, out.top_token_bytes = seq.top_texts, seq.top_bytes
+    if old is not None and old.delta_token_texts is not None:
+        out.delta_token_texts = old.delta_token_texts + seq.token_texts[lp_start:]
+        out.delta_token_bytes = (old.delta_token_bytes or []) + seq.token_bytes[lp_start:]
+        out.delta_top_token_texts = (old.delta_top_token_texts or []) + seq.top_texts[lp_start:]
+        out.delta_top_token_bytes = (old.delta_top_token_bytes or []) + seq.top_bytes[lp_start:]
+    else:
+        out.delta_token_texts = seq.token_texts[lp_start:]
+        out.delta_token_bytes = seq.token_bytes[lp_start:]
+        out.delta_top_token_texts = seq.top_texts[lp_start:]
+        out.delta_top_token_bytes = seq.top_bytes[lp_start:]
 
 
 def _parse_tools(seq: Sequence, delta: str, out: CompletionOutput, old: CompletionOutput | None) -> None:

@@ -17,11 +17,21 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With logprobs: each token's text and UTF-8 bytes, and those of its top_logprobs tokens
+    # (`worker.engine.token_text`); set once the sample finished (the deltas below carry them before).
+    token_texts: list[str] | None = None
+    token_bytes: list[bytes] | None = None
+    top_token_texts: list[list[str]] | None = None
+    top_token_bytes: list[list[bytes]] | None = None
     # What this step added (for streaming); the fields above are cumulative.
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
     delta_logprobs: list[float] | None = None
     delta_top_logprobs: list[list[tuple[int, float]]] | None = None
+    delta_token_texts: list[str] | None = None
+    delta_token_bytes: list[bytes] | None = None
+    delta_top_token_texts: list[list[str]] | None = None
+    delta_top_token_bytes: list[list[bytes]] | None = None
     # Requests with tools: `text` without tool-call markup, and the calls parsed from it (the last one
     # partial when max_tokens cut it); per step, the content added and the calls' deltas (id and name
     # once, argument fragments).

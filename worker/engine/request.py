@@ -95,6 +95,13 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.logprob_offset = 0  # output tokens without logprobs (delivered by a previous worker)
+        # With logprobs: each token's text and bytes, and its top tokens' (`worker.engine.token_text`);
+        # `held_bytes`: the bytes of a character not yet complete after the last token.
+        self.token_texts: list[str] = []
+        self.token_bytes: list[bytes] = []
+        self.top_texts: list[list[str]] = []
+        self.top_bytes: list[list[bytes]] = []
+        self.held_bytes = b""
         self.num_emitted = 0  # output tokens already handed out in RequestOutputs
         self.pending_text = ""  # detokenized text not yet handed out
         self.matcher: Any = None  # its xgrammar GrammarMatcher, when the request is constrained

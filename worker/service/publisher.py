@@ -50,6 +50,8 @@ class _Pending:
     text: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, list[float]] = field(default_factory=dict)
     top_logprobs: dict[int, list] = field(default_factory=dict)
+    # sample index -> [token texts, token bytes, top texts, top bytes] (with logprobs)
+    texts: dict[int, tuple[list, list, list, list]] = field(default_factory=dict)
     content: dict[int, str] = field(default_factory=dict)  # requests with tools: text without markup
     tool_calls: dict[int, list[ToolCallDelta]] = field(default_factory=dict)
     final: RequestOutput | None = None
@@ -152,6 +154,12 @@ class Publisher:
                     if c.delta_logprobs is not None:
                         p.logprobs.setdefault(c.index, []).extend(c.delta_logprobs)
                         p.top_logprobs.setdefault(c.index, []).extend(c.delta_top_logprobs or [])
+                    if c.delta_token_texts is not None:
+                        got = p.texts.setdefault(c.index, ([], [], [], []))
+                        got[0].extend(c.delta_token_texts)
+                        got[1].extend(c.delta_token_bytes or [])
+                        got[2].extend(c.delta_top_token_texts or [])
+                        got[3].extend(c.delta_top_token_bytes or [])
                     if c.delta_content is not None:
                         p.content[c.index] = p.content.get(c.index, "") + c.delta_content
                     if c.delta_tool_calls:
@@ -187,6 +195,7 @@ class Publisher:
             seq += 1
         for index in sorted(set(p.tokens) | set(p.text) | set(p.tool_calls)):
             lps = p.logprobs.get(index)
+            texts = p.texts.get(index) if lps is not None else None
             events.append(
                 Tokens(
                     seq=seq,
@@ -197,6 +206,10 @@ class Publisher:
                     logprobs=lps,
                     top_logprobs=p.top_logprobs.get(index) if lps is not None else None,
                     content=p.content.get(index),
+                    token_texts=texts[0] if texts else None,
+                    token_bytes=texts[1] if texts else None,
+                    top_token_texts=texts[2] if texts else None,
+                    top_token_bytes=texts[3] if texts else None,
                 )
             )
             seq += 1
