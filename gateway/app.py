@@ -196,6 +196,8 @@ class Gateway:
             raise stored
         if handle.duplicate and stored is not True:
             earlier = records.decode(await self.redis.get(keys.gateway_record(rid)))
+            if earlier is not None and earlier.kind != kind:
+                raise errors.idempotency_key_reused()
             if earlier is not None:
                 created = earlier.created
         renderer = Renderer(kind, rid, m.model, created, include_usage=m.include_usage, token_ids=token_ids)

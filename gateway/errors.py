@@ -137,6 +137,15 @@ def deadline(request_id: str) -> ApiError:
     return ApiError(504, f"Request {request_id} reached its deadline.", type="timeout", code="deadline_exceeded")
 
 
+def idempotency_key_reused() -> ApiError:
+    """The request id of this POST (its Idempotency-Key or X-Request-Id) names another request."""
+    return ApiError(
+        409,
+        "This Idempotency-Key (or X-Request-Id) was used for a request to another endpoint; use a new one.",
+        code="idempotency_key_reused",
+    )
+
+
 def too_large(message: str) -> ApiError:
     return ApiError(413, message, code="request_too_large")
 

@@ -27,6 +27,7 @@ class StoredResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
     history: list[dict[str, Any]]  # chat messages up to this turn's input (instructions excluded)
     previous: str | None = None  # the previous response's request id
     background: bool = False
+    constraint: str | None = None  # the parameter that constrains the output (a grammar error names it)
 
 
 class Record(msgspec.Struct, kw_only=True, omit_defaults=True):

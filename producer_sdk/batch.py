@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from producer_sdk.constants import REQUEST_ID_PATTERN
-from producer_sdk.errors import PagedqError, QueueFull, RateLimited
+from producer_sdk.errors import PagedqError, QueueFull, RateLimited, RequestFailed
 from producer_sdk.results import Completion
 
 LOW_PRIORITY = -1  # the low lane (producer_sdk.contract.keys.lane_for_priority)
@@ -135,6 +135,10 @@ class BatchRun:
                     self._in_flight.discard(rid)
         except PagedqError as e:
             outcome = e
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # anything else (a Redis error the SDK does not retry) fails this line only
+            outcome = RequestFailed("client_error", f"{type(e).__name__}: {e}", request_id=rid)
         finished.put_nowait((custom_id, outcome))
 
     async def _submit(self, rid: str, submit: dict[str, Any]) -> Any:

@@ -46,6 +46,7 @@ from producer_sdk.results import Completion
 
 log = logging.getLogger("pagedq.gateway.batches")
 WATCH_S = 0.25  # how often a running batch's status is read (a cancel is seen within this)
+MAX_DRIVE_FAILURES = 5  # tries (a lease apart) before a batch that keeps failing is failed
 
 
 def result_file_id(batch_id: str, which: str) -> str:
@@ -118,12 +119,30 @@ class BatchRunner:
             work.cancel()
             if not work.done():
                 raise
-        except Exception:
-            log.exception("batch %s: stopped (another claim will resume it)", bid)
-        finally:
-            self._driving.pop(bid, None)
+        except Exception as e:
+            log.exception("batch %s: stopped (another claim will resume it after its lease)", bid)
+            # Keep the lease (it lapses: the next try waits a lease), and give up after a few tries.
             with contextlib.suppress(Exception):
-                await self.store.release(bid, token)
+                if await self.store.count_failure(bid) >= MAX_DRIVE_FAILURES:
+                    await self._give_up(bid, e)
+            self._driving.pop(bid, None)
+            return
+        self._driving.pop(bid, None)
+        with contextlib.suppress(Exception):
+            await self.store.release(bid, token)
+
+    async def _give_up(self, bid: str, error: Exception) -> None:
+        """Fail a batch that failed to run MAX_DRIVE_FAILURES times (its results so far are lost)."""
+        problem = {
+            "code": "batch_failed",
+            "message": f"The batch failed {MAX_DRIVE_FAILURES} times ({type(error).__name__}; see the gateway's log).",
+        }
+        now = int(time.time())
+        came_from = (VALIDATING, IN_PROGRESS, FINALIZING, CANCELLING)
+        if await self.store.transition(
+            bid, FAILED, came_from, failed_at=now, errors={"object": "list", "data": [problem]}
+        ):
+            await self.store.finish(bid)
 
     # --- one batch --------------------------------------------------------------------------------
 
@@ -149,7 +168,7 @@ class BatchRunner:
                     (VALIDATING,),
                     in_progress_at=int(time.time()),
                     total=len(lines),
-                    model=model or "",
+                    model=model or "",  # (shown as null)
                 )
             if (await self.store.raw(bid))["status"].decode() == IN_PROGRESS:
                 await self.run_lines(bid, token, meta, lines, model)
@@ -165,7 +184,10 @@ class BatchRunner:
             data = await self.files.content(tenant, meta["input_file_id"])
             with contextlib.suppress(Exception):
                 await self.gw.registry._fresh_if_stale()
-            return L.parse(data, meta["endpoint"], tenant, lambda model: self._refuse_model(meta, model))
+            served = frozenset(self.gw.registry.models)  # a snapshot: the parse runs in a thread
+            refuse = lambda model: self._refuse_model(meta, model, served)
+            # Seconds for a large file: off the event loop, which serves streams and renews leases.
+            return await asyncio.to_thread(L.parse, data, meta["endpoint"], tenant, refuse)
         except errors.ApiError:
             problem = L.FileProblem("input_file_missing", f"The input file {meta['input_file_id']} was deleted.")
         except L.FileProblem as p:
@@ -178,13 +200,13 @@ class BatchRunner:
             await self.store.finish(bid)
         return None
 
-    def _refuse_model(self, meta: dict[str, Any], model: str) -> errors.ApiError | None:
+    @staticmethod
+    def _refuse_model(meta: dict[str, Any], model: str, served: frozenset[str]) -> errors.ApiError | None:
         allowed = meta["models"]
-        served = sorted(self.gw.registry.models)
         if allowed is not None and model not in allowed:
-            return errors.model_not_found(model, sorted(set(served) & set(allowed)))
-        if model not in self.gw.registry.models:
-            return errors.model_not_found(model, served)
+            return errors.model_not_found(model, sorted(served & set(allowed)))
+        if model not in served:
+            return errors.model_not_found(model, sorted(served))
         return None
 
     async def run_lines(
@@ -206,7 +228,13 @@ class BatchRunner:
                 line = by_id[custom_id]
                 rid = batch_request_id(bid, line.index)
                 if isinstance(outcome, Completion):
-                    body = line.prepared.render(rid, outcome)  # type: ignore[union-attr]
+                    try:
+                        body = line.prepared.render(rid, outcome)  # type: ignore[union-attr]
+                    except Exception as e:  # this line's failure, not the batch's
+                        log.exception("batch %s: line %d could not be rendered", bid, line.index)
+                        err = L.error_line(bid, line, "render_failed", f"{type(e).__name__}: {e}", request_id=rid)
+                        await self.store.store(bid, token, line.index, False, err)
+                        continue
                     await self.store.store(
                         bid, token, line.index, True, L.output_line(bid, line.index, custom_id, rid, body)
                     )

@@ -132,6 +132,10 @@ class BatchStore:
             args += [name, value if isinstance(value, (bytes, str, int)) else json.dumps(value)]
         return bool(await self.redis.eval(_TRANSITION, 1, keys.batch_record(batch_id), *args))
 
+    async def count_failure(self, batch_id: str) -> int:
+        """One more failed attempt to drive the batch; how many so far."""
+        return int(await self.redis.hincrby(keys.batch_record(batch_id), "drive_failures", 1))
+
     async def finish(self, batch_id: str) -> None:
         """The batch needs no runner any more."""
         await self.redis.srem(keys.batches_active(), batch_id)
@@ -185,7 +189,7 @@ def batch_object(meta: dict[str, Any], raw: dict[str, bytes]) -> dict[str, Any]:
         "id": meta["id"],
         "object": "batch",
         "endpoint": meta["endpoint"],
-        "model": _str(raw.get("model")),
+        "model": _str(raw.get("model")) or None,
         "errors": json.loads(raw["errors"]) if raw.get("errors") else None,
         "input_file_id": meta["input_file_id"],
         "completion_window": meta["completion_window"],

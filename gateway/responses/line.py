@@ -12,7 +12,6 @@ from typing import Any
 from gateway import errors
 from gateway.responses import request as rq
 from gateway.responses.events import ResponseView, response_object, status_of
-from gateway.responses.service import api_error_mappers
 from producer_sdk.results import Completion
 
 
@@ -32,5 +31,5 @@ def prepare(body: bytes, tenant: str | None) -> tuple[str, dict[str, Any], Any, 
         view = ResponseView(id=rq.ID_PREFIX + request_id, created_at=int(time.time()), model=m.model, echo=echo)
         return response_object(view, status_of(done), done)
 
-    param_of, failure_param = api_error_mappers(m.constraint)
+    param_of, failure_param = rq.api_error_mappers(m.constraint)
     return m.model, submit, render, param_of, failure_param

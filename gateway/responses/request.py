@@ -10,12 +10,14 @@ response. Nothing is dropped silently: what pagedq cannot honour is a 400 naming
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from gateway import errors, json_body
 from gateway.mapping import RESERVED_METADATA
+from gateway.mapping_chat import failure_param as chat_failure_param
 
 ID_PREFIX = "resp_"
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -346,3 +348,26 @@ def chat_response_format(fmt: Any) -> dict[str, Any] | None:
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": schema}
     raise errors.invalid(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format.type")
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def api_error_mappers(constraint: str | None) -> tuple[Callable[[str], str], Callable[[str], str | None]]:
+    """The Responses parameter behind a protocol field path, and behind a worker's error code."""
+
+    def param_of(field: str) -> str:
+        head, _, rest = field.partition(".")
+        if head == "sampling" and rest:
+            name = rest.split(".", 1)[0]
+            return PARAM_NAMES.get(name, name)
+        base = head.split("[", 1)[0]
+        return PARAM_NAMES.get(base, base)
+
+    def failure_param(code: str) -> str | None:
+        param = chat_failure_param(True, constraint, code)
+        return PARAM_NAMES.get(param, param) if param else None
+
+    return param_of, failure_param

@@ -20,11 +20,11 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import errors, records
 from gateway.auth import Caller
-from gateway.mapping_chat import failure_param as chat_failure_param
 from gateway.render import tool_call
 from gateway.responses import request as rq
 from gateway.responses import store
 from gateway.responses.events import ResponseEvents, ResponseView, error_object, response_object, sse, status_of
+from gateway.responses.request import api_error_mappers
 from gateway.streams import EventStream, Reading, until_done_or_gone
 from producer_sdk.client import AsyncClient
 from producer_sdk.constants import UNFINISHED_TTL_S
@@ -84,6 +84,7 @@ class ResponsesApi:
                 history=history + m.turn,
                 previous=m.previous,
                 background=m.background,
+                constraint=m.constraint,
             )
             record = records.Record(
                 kind="response", model=m.model, created=created, tenant=caller.tenant, response=stored
@@ -97,10 +98,11 @@ class ResponsesApi:
             raise self._api_error(handle, m.constraint) if isinstance(handle, PagedqError) else handle
         if rest and isinstance(rest[0], BaseException):
             raise rest[0]
-        if handle.duplicate and rest and rest[0] is not True:  # a retry: the first POST's record holds
+        if handle.duplicate:  # a retry: the first POST's record holds, and must be a response's
             earlier = records.decode(await gw.redis.get(keys.gateway_record(rid)))
-            if earlier is not None:
-                created = earlier.created
+            if earlier is None or earlier.kind != "response":
+                raise errors.idempotency_key_reused()
+            created = earlier.created
         view = ResponseView(id=store.response_id(rid), created_at=created, model=m.model, echo=m.echo)
         headers = {REQUEST_ID_HEADER: rid}
         cancel = None if m.background else self._canceller(client, rid)
@@ -109,7 +111,14 @@ class ResponsesApi:
             return EventStream(frames, metrics=gw.metrics, on_disconnect=cancel, headers=headers)
         if m.background:
             return JSONResponse(response_object(view, "queued"), headers=headers)
-        ok, body = await until_done_or_gone(self._whole(client, rid, view, m.constraint), request.receive)
+        try:
+            ok, body = await until_done_or_gone(
+                self._whole(client, rid, view, m.constraint, answer_4xx=True), request.receive
+            )
+        except errors.ApiError:
+            if m.store:  # a refused request creates nothing, as OpenAI's 400 does
+                await gw.redis.delete(keys.gateway_record(rid))
+            raise
         if not ok:
             if cancel is not None:
                 await cancel()
@@ -148,13 +157,13 @@ class ResponsesApi:
             after = self._starting_after(request)
             stage = await store.stage(self.gw.redis, rid)
             if stage == store.FINISHED and after >= 0:
-                total = len(await self._all_events(client, rid, view, record.response.background))
+                total = len(await self._all_events(client, rid, view, record.response))
                 if after >= total - 1:
                     raise errors.invalid(
                         f"starting_after={after} is at or beyond the last event ({total - 1}).", "starting_after"
                     )
             first = "queued" if record.response.background else "in_progress"
-            frames = self._frames(client, rid, view, first, None, after=after)
+            frames = self._frames(client, rid, view, first, record.response.constraint, after=after)
             return EventStream(frames, metrics=self.gw.metrics, headers=headers)  # a reader never cancels
         stage = await store.stage(self.gw.redis, rid)
         if stage != store.FINISHED:
@@ -264,9 +273,11 @@ class ResponsesApi:
         assert reading.completion is not None
         yield events.finish(reading.completion)
 
-    async def _all_events(self, client: AsyncClient, rid: str, view: ResponseView, background: bool) -> list[dict]:
-        first = "queued" if background else "in_progress"
-        return [e async for batch in self._events(client, rid, view, first, None) for e in batch]
+    async def _all_events(
+        self, client: AsyncClient, rid: str, view: ResponseView, stored: records.StoredResponse
+    ) -> list[dict]:
+        first = "queued" if stored.background else "in_progress"
+        return [e async for batch in self._events(client, rid, view, first, stored.constraint) for e in batch]
 
     async def _frames(
         self, client: AsyncClient, rid: str, view: ResponseView, first: str, constraint: str | None, *, after: int = -1
@@ -276,12 +287,16 @@ class ResponsesApi:
             if frames:
                 yield frames
 
-    async def _whole(self, client: AsyncClient, rid: str, view: ResponseView, constraint: str | None) -> dict:
+    async def _whole(
+        self, client: AsyncClient, rid: str, view: ResponseView, constraint: str | None, *, answer_4xx: bool = False
+    ) -> dict:
+        """The Response object once finished; with `answer_4xx` (the POST that waits for it) a request
+        the worker refused as the client's fault raises its 4xx instead, as chat does."""
         try:
             done: Completion = await client.handle(rid).result(partial_ok=True)
         except RequestFailed as e:
-            if e.code in errors.CLIENT_ERROR_CODES and view.echo.get("background") is False:
-                raise self._api_error(e, constraint) from None  # the client's to fix: a 400, as chat
+            if answer_4xx and e.code in errors.CLIENT_ERROR_CODES:
+                raise self._api_error(e, constraint) from None
             return response_object(view, "failed", error=error_object(e.code, e.error_message))
         return response_object(view, status_of(done), done)
 
@@ -300,24 +315,3 @@ class ResponsesApi:
         return errors.from_sdk(
             e, param_of=param_of, failure_param=failure_param, retry_after_s=self.gw.config.retry_after_s
         )
-
-
-PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
-
-
-def api_error_mappers(constraint: str | None) -> tuple[Callable[[str], str], Callable[[str], str | None]]:
-    """The Responses parameter behind a protocol field path, and behind a worker's error code."""
-
-    def param_of(field: str) -> str:
-        head, _, rest = field.partition(".")
-        if head == "sampling" and rest:
-            name = rest.split(".", 1)[0]
-            return PARAM_NAMES.get(name, name)
-        base = head.split("[", 1)[0]
-        return PARAM_NAMES.get(base, base)
-
-    def failure_param(code: str) -> str | None:
-        param = chat_failure_param(True, constraint, code)
-        return PARAM_NAMES.get(param, param) if param else None
-
-    return param_of, failure_param

@@ -241,3 +241,29 @@ def test_a_raw_stream_frames_its_events(gateway):
         sse.close()
     seqs = [json.loads(data)["sequence_number"] for _, data in frames]
     assert seqs == list(range(len(frames))) and [int(i) for i, _ in frames] == seqs
+
+
+def test_a_refused_response_is_a_400_and_stores_nothing(gateway):
+    """The worker refuses a prompt over the model's length: the POST that waits answers 400 (as chat
+    does), and nothing is kept (GET: 404), as OpenAI creates nothing for a 400."""
+    body = {"model": MODEL, "input": "word " * 3000, "max_output_tokens": 2}
+    status, headers, raw = request(gateway.port, "POST", "/v1/responses", body)
+    assert status == 400 and json.loads(raw)["error"]["code"] == "prompt_too_long"
+    rid = headers["pagedq-request-id"]
+    assert request(gateway.port, "GET", f"/v1/responses/resp_{rid}")[0] == 404
+
+
+def test_an_idempotency_key_of_another_endpoint_is_a_409(gateway):
+    key = {"Idempotency-Key": "shared-key-0001"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert request(gateway.port, "POST", "/v1/chat/completions", chat, headers=key)[0] == 200
+    status, _, raw = request(gateway.port, "POST", "/v1/responses", {"model": MODEL, "input": "hi"}, headers=key)
+    assert status == 409 and json.loads(raw)["error"]["code"] == "idempotency_key_reused"
+    again = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    first = request(gateway.port, "POST", "/v1/responses", again, headers={"Idempotency-Key": "resp-key-0001"})
+    retry = request(gateway.port, "POST", "/v1/responses", again, headers={"Idempotency-Key": "resp-key-0001"})
+    assert first[0] == retry[0] == 200 and json.loads(first[2])["id"] == json.loads(retry[2])["id"]
+    status, _, _ = request(
+        gateway.port, "POST", "/v1/chat/completions", chat, headers={"Idempotency-Key": "resp-key-0001"}
+    )
+    assert status == 409

@@ -226,7 +226,8 @@ class WorkerService:
         """Seats the low lane (batches) may still take: three quarters of the engine's, so that a batch
         queued in full never keeps the other lanes' requests waiting in Redis (the engine's
         --low-priority-max-seqs then decides how many of the batch's run beside them)."""
-        limit = self.engine.limits.max_num_seqs - self.engine.limits.max_num_seqs // 4
+        seats = self.engine.limits.max_num_seqs
+        limit = seats - max(1, seats // 4) if seats > 1 else seats
         return limit - sum(rec.seats for rec in self.inflight.values() if rec.lane == "low")
 
     def wake_engine(self) -> None:
