@@ -151,7 +151,14 @@ def too_large(message: str) -> ApiError:
 
 
 def redis_unavailable(exc: BaseException) -> ApiError:
-    return ApiError(503, f"The queue is unreachable: {exc}", type="server_error", code="redis_unavailable")
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # some carry no message
+    return ApiError(
+        503,
+        f"The queue is unreachable: {what}",
+        type="server_error",
+        code="redis_unavailable",
+        headers={"Retry-After": "1"},
+    )
 
 
 def from_sdk(

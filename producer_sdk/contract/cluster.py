@@ -31,6 +31,8 @@ import redis.cluster
 import redis.retry
 from redis.backoff import NoBackoff
 
+ASYNC_MAX_CONNECTIONS_PER_NODE = 1 << 16  # an asyncio cluster client's pool bound, a node
+
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
 # Connection options a node client takes that the cluster client keeps for it (`node_client`).
@@ -117,6 +119,11 @@ def cluster_client(target: ClusterURL, *, asyncio: bool, options: dict[str, Any]
     # reinitialize_steps 0: a MOVED patches the slot map instead of, every few, closing every connection,
     # those other tasks are using included.
     kwargs: dict[str, Any] = {"retry": retry, "reinitialize_steps": 0}
+    if asyncio and "max_connections" in accepted:
+        # Its default, 100 connections a node, raises MaxConnectionsError past it, and every reader
+        # blocked in an XREAD holds one: a gateway with 100 open streams (or a batch's lines in flight)
+        # on one node would fail the next. A one-node pool has no such bound (2**31) either.
+        kwargs["max_connections"] = ASYNC_MAX_CONNECTIONS_PER_NODE
     if asyncio:  # the asyncio client takes its connection options by name only
         kwargs.update({k: v for k, v in node_options.items() if k in accepted})
     else:

@@ -36,12 +36,13 @@ def keyed(gw_worker, gw_redis_url, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def a(keyed):
-    return openai.OpenAI(base_url=keyed.base_url, api_key="sk-a", max_retries=0)
+    # The openai client's default retries: a 503 on a Redis hiccup (Retry-After) is retried, as users' are.
+    return openai.OpenAI(base_url=keyed.base_url, api_key="sk-a", max_retries=2)
 
 
 @pytest.fixture(scope="module")
 def b(keyed):
-    return openai.OpenAI(base_url=keyed.base_url, api_key="sk-b", max_retries=0)
+    return openai.OpenAI(base_url=keyed.base_url, api_key="sk-b", max_retries=2)
 
 
 def chat_body(i: int, max_tokens: int = 6) -> dict:
