@@ -47,7 +47,7 @@ class EngineConfig:
         None,
         "while sequences of priority >= 0 are in the engine (or left less than 2 s ago), sequences of "
         "negative priority (the low lane: batches) run at most this many at once; the rest wait and "
-        "running ones over it are preempted (default: max-num-seqs // 16, at least 1; 0: no cap)",
+        "running ones over it are preempted (default: 2 on CPU, max-num-seqs // 16 on a GPU; 0: no cap)",
         type=int,
     )
     watermark: float = _opt(0.01, "fraction of KV blocks kept free for running sequences at admission")

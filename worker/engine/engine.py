@@ -530,10 +530,17 @@ def _build_scheduler_config(cfg: EngineConfig, loaded: LoadedModel, max_model_le
         long_prefill_budget=long_budget,
         attention_cost_context=attention_cost_context(loaded.config),
         fair_share_prefill_tokens=cfg.fair_share_prefill_tokens,
-        low_priority_max_seqs=(
-            max(1, cfg.max_num_seqs // 16) if cfg.low_priority_max_seqs is None else cfg.low_priority_max_seqs
-        ),
+        low_priority_max_seqs=_low_priority_max_seqs(cfg, loaded),
     )
+
+
+def _low_priority_max_seqs(cfg: EngineConfig, loaded: LoadedModel) -> int:
+    """--low-priority-max-seqs, else 2 on CPU, where every sequence in a step costs compute (measured:
+    ops/bench/RESULTS.md, "Batch API beside interactive traffic"), and max-num-seqs // 16 on a GPU, where a
+    decode step costs about the same for a few more sequences (not measured yet)."""
+    if cfg.low_priority_max_seqs is not None:
+        return cfg.low_priority_max_seqs
+    return 2 if loaded.device.type == "cpu" else max(1, cfg.max_num_seqs // 16)
 
 
 def _build_model_runner(
