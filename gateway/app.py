@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import errors, mapping, records
+from gateway import errors, json_body, mapping, records
 from gateway.auth import ANONYMOUS, Caller, KeyRing
 from gateway.config import GatewayConfig
 from gateway.metrics import CountRequests, GatewayMetrics
@@ -108,16 +108,13 @@ class Gateway:
 
     async def body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise errors.too_large(f"The body is {declared} bytes, more than the limit of {limit}.")
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise errors.too_large(f"The body is more than the limit of {limit} bytes.")
-            parts.append(part)
-        return b"".join(parts)
+
+        def over(declared: int | None) -> errors.ApiError:
+            if declared is not None:
+                return errors.too_large(f"The body is {declared} bytes, more than the limit of {limit}.")
+            return errors.too_large(f"The body is more than the limit of {limit} bytes.")
+
+        return await json_body.read_capped(request, limit, over)
 
     def deadline_s(self, request: Request) -> float | None:
         raw = request.headers.get("pagedq-timeout")

@@ -1,4 +1,5 @@
-"""Request bodies decoded into the gateway's Structs, strictly and safely: a body is valid JSON of the
+"""Request bodies: read up to a limit (`read_capped`), and decoded into the gateway's Structs, strictly and
+safely: a body is valid JSON of the
 right shape nested at most MAX_JSON_DEPTH levels (JSON schemas, tool parameters and metadata included),
 or a 400 naming what is wrong. A deeper body would exhaust the decoder's recursion (and every later
 walk of it: the grammar compiler's, the worker's), so it is refused before anything else reads it.
@@ -6,15 +7,32 @@ walk of it: the grammar compiler's, the worker's), so it is refused before anyth
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
+from starlette.requests import Request
 
 from gateway import errors
 from producer_sdk.protocol import schema_error
 
 T = TypeVar("T")
 MAX_JSON_DEPTH = 64  # objects and arrays within one another, the body itself counted as 1
+
+
+async def read_capped(request: Request, limit: int, over: Callable[[int | None], errors.ApiError]) -> bytes:
+    """The whole body, refused with `over(declared length)` when its Content-Length says it is larger than
+    `limit`, or `over(None)` as soon as more than `limit` bytes have arrived (nothing more is read)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise over(int(declared))
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise over(None)
+        parts.append(part)
+    return b"".join(parts)
 
 
 def too_deep(where: str | None = None) -> errors.ApiError:

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import errors
 from gateway.batches.files import BATCH, FileStore
+from gateway.json_body import read_capped
 
 MULTIPART_SLACK = 64 << 10  # the form's headers and boundaries around the file's bytes
 UPLOAD_PURPOSES = (BATCH,)
@@ -36,16 +37,11 @@ class FileRoutes:
 
     async def _body(self, request: Request) -> bytes:
         cap = self.limit + MULTIPART_SLACK
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > cap:
-            raise self._too_large(f"about {declared} bytes")
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > cap:
-                raise self._too_large(f"more than {cap} bytes")
-            parts.append(part)
-        return b"".join(parts)
+        return await read_capped(
+            request,
+            cap,
+            lambda declared: self._too_large(f"about {declared} bytes" if declared else f"more than {cap} bytes"),
+        )
 
     async def upload(self, request: Request) -> Response:
         caller = self.gw.caller(request)

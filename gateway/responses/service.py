@@ -155,15 +155,17 @@ class ResponsesApi:
         headers = {REQUEST_ID_HEADER: rid}
         if request.query_params.get("stream", "false").lower() == "true":
             after = self._starting_after(request)
-            stage = await store.stage(self.gw.redis, rid)
-            if stage == store.FINISHED and after >= 0:
-                total = len(await self._all_events(client, rid, view, record.response))
-                if after >= total - 1:
-                    raise errors.invalid(
-                        f"starting_after={after} is at or beyond the last event ({total - 1}).", "starting_after"
-                    )
             first = "queued" if record.response.background else "in_progress"
-            frames = self._frames(client, rid, view, first, record.response.constraint, after=after)
+            if after >= 0 and await store.stage(self.gw.redis, rid) == store.FINISHED:
+                # Finished: render it once, check starting_after against it, send the tail from there.
+                events = await self._all_events(client, rid, view, record.response)
+                if after >= len(events) - 1:
+                    raise errors.invalid(
+                        f"starting_after={after} is at or beyond the last event ({len(events) - 1}).", "starting_after"
+                    )
+                frames = _one(b"".join(sse(e) for e in events[after + 1 :]))  # sequence number = index
+            else:
+                frames = self._frames(client, rid, view, first, record.response.constraint, after=after)
             return EventStream(frames, metrics=self.gw.metrics, headers=headers)  # a reader never cancels
         stage = await store.stage(self.gw.redis, rid)
         if stage != store.FINISHED:
@@ -315,3 +317,7 @@ class ResponsesApi:
         return errors.from_sdk(
             e, param_of=param_of, failure_param=failure_param, retry_after_s=self.gw.config.retry_after_s
         )
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data
