@@ -207,12 +207,14 @@ DELEGATED = {
     "tenants": "ops.bench.tenants",
     "uniform": "ops.bench.uniform",
     "batch": "ops.bench.batch_mix",
+    "host": "ops.bench.host",
 }
 DELEGATED_HELP = {
     "structured": "constrained decoding: throughput vs unconstrained, grammar compile and mask times",
     "tenants": "tenant isolation: a calm tenant's TTFT alone and beside one bursting 10x its quota",
     "uniform": "uniform batch (B prompts of P tokens, G decode steps): prefill and decode tok/s, llama.cpp beside",
     "batch": "Batch API beside interactive chat: TTFT with a low-lane batch running, batch tok/s busy vs idle",
+    "host": "the engine's host work per step: step time vs forward time at batch 1/64/256 (tiny model)",
 }
 
 

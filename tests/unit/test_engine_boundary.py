@@ -12,8 +12,8 @@ INTERNALS = {"scheduler", "kv", "runner", "scheduler_config", "stats"}
 INTERNAL_MODULES = {"worker.engine.scheduler", "worker.engine.kv_cache", "worker.engine.model_runner"}
 # Diagnostics of the engine's own parts, not users of the engine: the GPU check inspects the runner's
 # CUDA graphs, the KV-waste bench simulates the block allocator on its own, and the serving-overhead
-# profile times the runner's forward inside each engine step.
-EXEMPT = {"ops/bench/gpu_check_speed.py", "ops/bench/kv_waste.py", "ops/bench/serve_overhead.py"}
+# profile and the host-work bench time the runner's forward inside each engine step.
+EXEMPT = {"ops/bench/gpu_check_speed.py", "ops/bench/kv_waste.py", "ops/bench/serve_overhead.py", "ops/bench/host.py"}
 
 
 def _sources():

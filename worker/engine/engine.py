@@ -392,12 +392,14 @@ class LLMEngine:
     ) -> None:
         """The scheduled tokens are in the cache: count them, name full blocks for reuse, seat the forked
         samples, then append the sampled tokens and hand out what changed."""
+        commit = self.kv.commit
         for s in sched.scheduled:
             seq = s.seq
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+            computed = seq.num_computed_tokens
+            if computed < seq.num_prompt_tokens:
+                self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - computed)
+            seq.num_computed_tokens = computed = computed + s.num_new_tokens
+            commit(seq.seq_id, seq.token_ids, computed, seq.request.cache_salt)
         for child, parent in forks:
             child.num_computed_tokens = parent.num_computed_tokens
             self.kv.fork(parent.seq_id, child.seq_id)
@@ -410,7 +412,7 @@ class LLMEngine:
         self.stats.generation_tokens += len(seqs) - len(refused)
         touched: dict[str, Request] = {}
         for r, (seq, status) in enumerate(zip(seqs, statuses, strict=True)):
-            if r in refused:
+            if refused and r in refused:
                 if not seq.request.finished:
                     why = "the grammar allows no token the model can write next (the constraint cannot be met)"
                     self._fail(seq.request, "grammar_unsatisfiable", why, outputs)
@@ -425,8 +427,7 @@ class LLMEngine:
             # A suspect that got through a step of its own (its whole context computed, a token sampled)
             # is not what failed: it rejoins the batch instead of running alone to its end.
             req.isolated = False
-            self._emit(req, outputs)
-            if req.finished:
+            if self._emit(req, outputs).finished:
                 self._retire(req)
 
     def _accept_grammar(self, seqs: list[Sequence], result: SamplerOutput) -> frozenset[int]:
@@ -481,8 +482,9 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self._accepted.discard(req.request_id)
 
-    def _emit(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
-        outputs[req.request_id] = self.output_processor.make_output(req, outputs.get(req.request_id))
+    def _emit(self, req: Request, outputs: dict[str, RequestOutput]) -> RequestOutput:
+        out = outputs[req.request_id] = self.output_processor.make_output(req, outputs.get(req.request_id))
+        return out
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

@@ -137,6 +137,17 @@ class KVCacheManager:
         cow = 1 if seq and self._needs_cow(seq) else 0
         return max(need, 0) + revived + cow
 
+    def fits(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """`allocate(seq_id, num_tokens)` without touching the pool: True (and done) when the sequence's
+        table already holds `num_tokens` slots and its last block is its own; False means call `allocate`.
+        The decode step's fast path: a new block is needed once every `block_size` tokens."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or num_tokens > len(seq.table) * self.block_size or self._needs_cow(seq):
+            return False
+        if num_tokens > seq.num_tokens:
+            seq.num_tokens = num_tokens
+        return True
+
     def can_allocate(self, num_new_blocks: int, *, keep_watermark: bool) -> bool:
         reserve = self.watermark_blocks if keep_watermark else 0
         return self.num_free_blocks - num_new_blocks >= reserve
@@ -185,6 +196,8 @@ class KVCacheManager:
         seq = self._seqs[seq_id]
         bs = self.block_size
         full = min(num_computed // bs, len(seq.table))
+        if full <= len(seq.hashes):  # no block filled since the last commit (most steps)
+            return
         for i in range(len(seq.hashes), full):
             parent = seq.hashes[-1] if seq.hashes else None
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])

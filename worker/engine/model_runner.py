@@ -1,7 +1,7 @@
 """Turns one scheduled step into a forward pass and sampled tokens.
 
 It owns the model and the KV cache tensors. From the scheduler's output it builds the flattened
-batch on the host (step_inputs.py), moves it to the device through pinned staging buffers without
+batch on the host (input_batch.py keeps the block tables between steps; step_inputs.py), moves it
 blocking (transfer.py), runs the model — eagerly, or for a decode-only step by replaying the CUDA
 graph of its batch-size bucket (cuda_graphs.py) — computes logits only at the rows that will be
 sampled, samples on the device, and brings the sampled ids (and logprobs) back in one copy: the
@@ -23,12 +23,13 @@ from pagedq_kernels import AttentionMetadata, copy_blocks
 from pagedq_kernels import cpu as kernels_cpu
 from pagedq_kernels.dispatch import backend_for
 from worker.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from worker.engine.input_batch import InputBatch
 from worker.engine.kv_cache import blocks_for_bytes
 from worker.engine.request import Sequence
 from worker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, min_tokens_suppression
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import SchedulerOutput
-from worker.engine.step_inputs import StepBatch, build_step_batch, pad_decode, warm_up_batch
+from worker.engine.step_inputs import StepBatch, pad_decode, warm_up_batch
 from worker.engine.structured import StructuredOutputManager, xgrammar_available
 from worker.engine.transfer import Uploader, to_host
 from worker.models.loader import LoadedModel
@@ -85,6 +86,8 @@ class ModelRunner:
         self.vocab_size = self.model.config.vocab_size
         self.max_num_seqs = max_num_seqs
         self.uploader = Uploader(self.device)
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size)
+        self._last_sampled: tuple[list[Sequence], SamplingBatch | None] = ([], None)
         seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)
         self.uploader.reserve({np.int64: 3 * tokens + seqs, np.int32: 2 * seqs + 1 + seqs * self.max_blocks_per_seq})
         self.decode_graphs: DecodeGraphs | None = None
@@ -237,7 +240,7 @@ class ModelRunner:
         """The step's forward (block copies first, then the graph of its bucket when it is decode-only and
         graphs are on, unless `eager`); the logits `[len(rows), V]` of the rows to sample, left on the
         device and not waited for, or None when no row samples."""
-        batch = build_step_batch(sched.scheduled, sched.num_decodes, [r.batch_index for r in rows], self.block_size)
+        batch = self.input_batch.prepare(sched.scheduled, sched.num_decodes, [r.batch_index for r in rows])
         bucket = None if eager else self._graph_bucket(batch)
         if bucket is not None:
             arrays = [*pad_decode(batch, bucket), batch.block_tables]
@@ -296,6 +299,18 @@ class ModelRunner:
         return self.model(ids, positions, self.kv_caches, meta)
 
     def _sampling_batch(self, rows: list[SampleRow]) -> SamplingBatch:
+        """The step's sampling tensors. The same sequences as the last step, in the same order, with nothing
+        that changes per step (penalties read the outputs, min_tokens' suppression ends, grammars move on):
+        the last step's batch again, built once for a whole run of decode steps."""
+        seqs = [r.seq for r in rows]
+        if seqs == self._last_sampled[0] and self._last_sampled[1] is not None:
+            return self._last_sampled[1]
+        batch = self._build_sampling_batch(rows)
+        static = batch.penalties is None and batch.suppress is None and batch.bitmask is None
+        self._last_sampled = (seqs, batch if static else None)
+        return batch
+
+    def _build_sampling_batch(self, rows: list[SampleRow]) -> SamplingBatch:
         sampling_rows = []
         for r in rows:
             p = r.seq.request.sampling_params

@@ -17,6 +17,8 @@ from worker.engine.request import Request, SeqStatus, Sequence
 from worker.engine.sampler import SamplerOutput
 from worker.engine.token_text import TokenTexts, for_tokenizer
 
+_RUNNING = (SeqStatus.WAITING, SeqStatus.RUNNING)
+
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, *, eos_token_ids: frozenset[int], max_model_len: int) -> None:
@@ -46,14 +48,23 @@ class OutputProcessor:
             top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
             top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         statuses = []
+        check_stop = self.check_stop
         for r, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-            if r in skip:
+            if skip and r in skip:
                 statuses.append(None)
                 continue
             seq.token_ids.append(token)
-            _record_token_time(seq, now)
+            m = seq.request.metrics
+            if m.first_token is None or seq.index or m.last_token is None:
+                _record_token_time(seq, now)
+            else:  # sample 0 of a request past its first token (the common case, inlined)
+                m.inter_token_latencies.append(now - m.last_token)
+                m.last_token = now
+            if lp is None:
+                statuses.append(check_stop(seq, token))
+                continue
             k = seq.request.sampling_params.logprobs
-            if lp is not None and k is not None:
+            if k is not None:
                 seq.logprobs.append(lp[r])
                 top = list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else []
                 seq.top_logprobs.append(top)
@@ -74,7 +85,7 @@ class OutputProcessor:
     def check_stop(self, seq: Sequence, token: int) -> SeqStatus | None:
         """Feed the newest token to the detokenizer (unless it is the stop token) and apply vLLM's stops."""
         p = seq.request.sampling_params
-        n_out = seq.num_output_tokens
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return SeqStatus.FINISHED_STOPPED
@@ -89,7 +100,7 @@ class OutputProcessor:
             return SeqStatus.FINISHED_STOPPED
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return SeqStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
+        if len(seq.token_ids) >= self.max_model_len:
             return SeqStatus.FINISHED_LENGTH
         return None
 
@@ -122,20 +133,27 @@ class OutputProcessor:
         top of `prev` (the output already built for it this step, if any)."""
         want_lp = req.sampling_params.logprobs is not None
         completions = []
+        finished = True
         for seq in req.seqs:
             start = seq.num_emitted
-            new_ids = seq.output_token_ids[start:]
-            seq.num_emitted = seq.num_output_tokens
+            output_ids = seq.token_ids[seq.num_prompt_tokens :]
+            new_ids = output_ids[start:]
+            seq.num_emitted = len(output_ids)
             delta, seq.pending_text = seq.pending_text, ""
-            old = prev.outputs[seq.index] if prev and seq.index < len(prev.outputs) else None
+            old = prev.outputs[seq.index] if prev is not None and seq.index < len(prev.outputs) else None
+            if seq.status in _RUNNING:
+                finished = False
+                reason = None
+            else:
+                reason = seq.finish_reason
             out = CompletionOutput(
                 index=seq.index,
                 text=seq.detokenizer.output_text if seq.detokenizer else "",
-                token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason,
+                token_ids=output_ids,
+                finish_reason=reason,
                 stop_reason=seq.stop_reason,
-                delta_token_ids=(old.delta_token_ids if old else []) + new_ids,
-                delta_text=(old.delta_text if old else "") + delta,
+                delta_token_ids=old.delta_token_ids + new_ids if old else new_ids,
+                delta_text=old.delta_text + delta if old else delta,
             )
             if want_lp:  # tokens a previous worker delivered (resume) have none
                 lp_start = max(start - seq.logprob_offset, 0)
@@ -152,7 +170,7 @@ class OutputProcessor:
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=completions,
-            finished=req.finished,
+            finished=finished,
             metrics=req.metrics,
             error=req.error,
             error_code=req.error_code,

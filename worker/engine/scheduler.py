@@ -55,7 +55,8 @@ from worker.engine.wait_queue import WaitQueue
 @dataclass
 class ScheduledSeq:
     """`num_new_tokens` of `seq` go through this step's forward, from `seq.num_computed_tokens` on;
-    `block_table` is the sequence's KV block table for the step (vLLM: `NewRequestData.block_ids`)."""
+    `block_table` is the sequence's KV block table (vLLM: `NewRequestData.block_ids`): the KV manager's own
+    list, not a copy, so it is only valid until the next step is scheduled."""
 
     seq: Sequence
     num_new_tokens: int
@@ -105,6 +106,7 @@ class Scheduler:
         self.tenants = TenantShare()
         self.running: list[Sequence] = []
         self._long: set[str] = set()  # running sequences admitted as long prompts, prompt not yet computed
+        self._unsorted = False  # a sequence joined `running` since it was last put in policy order
         self._contended_until = 0.0  # monotonic time until which the low-priority cap holds
 
     # --- membership --------------------------------------------------------------------------
@@ -118,6 +120,7 @@ class Scheduler:
         """A forked sample joins the running set directly (its blocks are shared with its parent)."""
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        self._unsorted = True
         self.tenants.join(seq)
 
     def finish(self, seq: Sequence, status: SeqStatus) -> None:
@@ -141,9 +144,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
-        # Victims of preemption are taken from the end: lowest priority, latest arrival.
-        self.running.sort(key=lambda s: (*s.request.sort_key(cfg.policy), s.index))
-        self._long &= {s.seq_id for s in self.running if _left(s) > 1}
+        # Victims of preemption are taken from the end: lowest priority, latest arrival. Only sequences
+        # joining break the order (removals keep it), so a steady decode step sorts nothing.
+        if self._unsorted:
+            self.running.sort(key=lambda s: (*s.request.sort_key(cfg.policy), s.index))
+            self._unsorted = False
+        if self._long:
+            self._long &= {s.seq_id for s in self.running if _left(s) > 1}
         step = _Step(cfg.max_num_batched_tokens)
         shed = self._shed_low_priority(step)
         if self._schedule_suspect(out, step):
@@ -199,9 +206,12 @@ class Scheduler:
         return shed
 
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
-        # One-token queries first: the attention kernels' decode fast path takes a prefix of the batch.
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
-        out.num_decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+        # One-token queries first (a stable partition): the attention kernels' decode fast path takes a
+        # prefix of the batch.
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        if len(decodes) < len(out.scheduled):
+            out.scheduled = decodes + [s for s in out.scheduled if s.num_new_tokens != 1]
+        out.num_decodes = len(decodes)
         out.block_copies = self.kv.take_copies()
         if self.config.fair_share_prefill_tokens:
             self.tenants.charge((s.seq, s.num_new_tokens) for s in out.scheduled)
@@ -244,6 +254,9 @@ class Scheduler:
     ) -> None:
         """Decodes (`decodes`), or the next chunks of prompts part-way through, in running order (`only`:
         of that sequence alone; `over_share`: of tenants over their share, or within it)."""
+        if decodes and only is None and over_share is None:
+            self._schedule_decodes(out, step)
+            return
         i = 0
         while i < len(self.running) and step.tokens > 0:
             seq = self.running[i]
@@ -264,6 +277,25 @@ class Scheduler:
                 self._schedule(out, step, seq, n)
                 i += 1
             elif seq.status == SeqStatus.RUNNING:  # not preempted: its chunk waits for blocks
+                i += 1
+
+    def _schedule_decodes(self, out: SchedulerOutput, step: _Step) -> None:
+        """Every running decode, in running order: the steady state's pass, kept lean (one token each, no
+        chunk rules apply); blocks come from `_grow` only when a decode needs a new or private block."""
+        running, scheduled, kv = self.running, step.scheduled, self.kv
+        i = 0
+        while i < len(running) and step.tokens > 0:
+            seq = running[i]
+            seq_id = seq.seq_id
+            if len(seq.token_ids) - seq.num_computed_tokens != 1 or seq_id in scheduled:
+                i += 1
+                continue
+            if kv.fits(seq_id, seq.num_computed_tokens + 1) or self._grow(seq, 1, i, step, out, decode=True):
+                out.scheduled.append(ScheduledSeq(seq, 1, kv.block_table(seq_id)))
+                step.tokens -= 1
+                scheduled.add(seq_id)
+                i += 1
+            elif seq.status == SeqStatus.RUNNING:
                 i += 1
 
     def _grow(self, seq: Sequence, n: int, i: int, step: _Step, out: SchedulerOutput, *, decode: bool) -> bool:
@@ -295,6 +327,8 @@ class Scheduler:
         or within it; the others keep their place). False when admission stopped for want of seats or
         blocks, or behind a suspect: then nobody behind may pass."""
         cfg = self.config
+        if not len(self.waiting):
+            return True
         # Prompts waiting for a prefill slot, or not in this pass: the ones behind them may pass.
         deferred: list[Sequence] = []
         partials, longs = self._prefill_slots(out, step)
@@ -350,6 +384,7 @@ class Scheduler:
             self.kv.record_prefix_query(seq.num_tokens, num_cached)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self._unsorted = True
             if long:
                 self._long.add(seq.seq_id)
             self._schedule(out, step, seq, n)
@@ -366,7 +401,7 @@ class Scheduler:
         return open_
 
     def _schedule(self, out: SchedulerOutput, step: _Step, seq: Sequence, n: int) -> None:
-        out.scheduled.append(ScheduledSeq(seq, n, list(self.kv.block_table(seq.seq_id))))
+        out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_table(seq.seq_id)))
         step.tokens -= n
         step.scheduled.add(seq.seq_id)
         if n > 1 or _left(seq) > 1:  # a prompt chunk

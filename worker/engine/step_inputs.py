@@ -1,7 +1,8 @@
 """One step's model inputs as host arrays, built from the scheduler's output (no torch, no device).
 
 `build_step_batch` flattens the scheduled chunks into the arrays the model and the attention
-metadata read; `pad_decode` lays a decode-only batch out for a captured CUDA graph of a larger
+metadata read, from scratch (`input_batch.InputBatch` does the same keeping the block tables between
+steps); `pad_decode` lays a decode-only batch out for a captured CUDA graph of a larger
 batch size (padded requests: token 0 at position 0, slot -1, length 0, so they write and read
 nothing). Both are pure numpy, so the CPU tests cover them whatever device the engine runs on.
 """
@@ -52,8 +53,9 @@ class StepBatch:
 def build_step_batch(
     scheduled: Sequence[ScheduledSeq], num_decodes: int, sample_from: Sequence[int], block_size: int
 ) -> StepBatch:
-    """`sample_from`: for each row to sample, the index of its request in `scheduled` (a request whose
-    prompt completes with n > 1 samples appears n times)."""
+    """The step's batch built from scratch (the reference `InputBatch` is tested against, and what a step
+    without a persistent batch uses). `sample_from`: for each row to sample, the index of its request in
+    `scheduled` (a request whose prompt completes with n > 1 samples appears n times)."""
     starts, qlens, tables, ids = [], [], [], []
     for s in scheduled:
         start = s.seq.num_computed_tokens
@@ -61,27 +63,50 @@ def build_step_batch(
         qlens.append(s.num_new_tokens)
         ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
         tables.append(s.block_table)
-    starts_np = np.asarray(starts, dtype=np.int64)
-    qlens_np = np.asarray(qlens, dtype=np.int64)
-    qsl = np.zeros(len(qlens) + 1, dtype=np.int64)
-    np.cumsum(qlens_np, out=qsl[1:])
-    total = int(qsl[-1])
-    req_of_token = np.repeat(np.arange(len(qlens)), qlens_np)
-    positions = np.arange(total) - qsl[:-1][req_of_token] + starts_np[req_of_token]
     width = max(len(t) for t in tables)
     table = np.zeros((len(tables), width), dtype=np.int32)
     for i, t in enumerate(tables):
         table[i, : len(t)] = t
-    slots = table[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return flatten(ids, starts, qlens, table, num_decodes, sample_from, block_size)
+
+
+def flatten(
+    ids: list[int],
+    starts: list[int],
+    qlens: list[int],
+    table: np.ndarray,
+    num_decodes: int,
+    sample_from: Sequence[int],
+    block_size: int,
+) -> StepBatch:
+    """The batch from its per-request parts: the new tokens' ids (concatenated), where each request's new
+    tokens start, how many it has, and the block tables (zero-padded, a row per request)."""
+    starts_np = np.asarray(starts, dtype=np.int64)
+    num_seqs = len(qlens)
+    total = len(ids)
+    if total == num_seqs:  # every request brings one token (a decode-only step): no repeat needed
+        qsl = np.arange(num_seqs + 1, dtype=np.int64)
+        positions = starts_np
+        slots = table[np.arange(num_seqs), positions // block_size].astype(np.int64) * block_size
+        slots += positions % block_size
+        seq_lens = starts_np + 1
+    else:
+        qlens_np = np.asarray(qlens, dtype=np.int64)
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(qlens_np, out=qsl[1:])
+        req_of_token = np.repeat(np.arange(num_seqs), qlens_np)
+        positions = np.arange(total) - qsl[:-1][req_of_token] + starts_np[req_of_token]
+        slots = table[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        seq_lens = starts_np + qlens_np
     last = qsl[1:] - 1
     rows = last[np.asarray(sample_from, dtype=np.int64)]
     in_order = len(rows) == total and bool((rows == np.arange(total)).all())
     return StepBatch(
         input_ids=np.asarray(ids, dtype=np.int64),
-        positions=positions.astype(np.int64),
+        positions=positions,
         slot_mapping=slots,
         query_start_loc=qsl.astype(np.int32),
-        seq_lens=(starts_np + qlens_np).astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
         block_tables=table,
         query_lens=qlens,
         num_decodes=num_decodes,

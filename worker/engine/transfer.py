@@ -5,6 +5,8 @@
   rarely). On the CPU the arrays are used in place (no copy at all).
 * `to_device`: small per-step tensors (sampling parameters) through pinned memory, non-blocking.
 * `to_host`: the sampler's results in one copy and one wait: the step's only device-to-host sync.
+  Every call is counted in `HOST_READS` (on the CPU too, where the "sync" is the host reading the
+  results), so tests and `pagedq bench host` can assert one per step.
 
 Every view handed out starts on a 64-byte boundary: Triton specialises kernels on pointer alignment,
 so an unaligned view would compile a kernel variant in the middle of serving.
@@ -12,11 +14,23 @@ so an unaligned view would compile a kernel variant in the middle of serving.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
 
 _ALIGN_BYTES = 64
+
+
+@dataclass
+class HostReads:
+    """How many times the host has read a step's results (`to_host` calls) since the process started."""
+
+    count: int = 0
+
+
+HOST_READS = HostReads()
 
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
@@ -87,6 +101,7 @@ def to_host(tensors: list[Tensor | None]) -> list[Tensor | None]:
     """The tensors on the CPU, with one device-to-host copy and one wait for the lot (None stays None).
 
     int64 tensors go first in the packed buffer, then 4-byte ones, so every part stays aligned."""
+    HOST_READS.count += 1
     present = [t for t in tensors if t is not None]
     if not present or present[0].device.type == "cpu":
         return list(tensors)
