@@ -1,11 +1,11 @@
 """Turns one scheduled step into a forward pass and sampled tokens.
 
 It owns the model and the KV cache tensors. From the scheduler's output it builds the flattened
-batch on the host (input_batch.py keeps the block tables between steps; step_inputs.py), moves it
-blocking (transfer.py), runs the model — eagerly, or for a decode-only step by replaying the CUDA
-graph of its batch-size bucket (cuda_graphs.py) — computes logits only at the rows that will be
-sampled, samples on the device, and brings the sampled ids (and logprobs) back in one copy: the
-step's only wait for the device.
+batch on the host (input_batch.py keeps the block tables between steps; step_inputs.py), moves it to
+the device through pinned staging buffers without blocking (transfer.py), runs the model — eagerly,
+or for a decode-only step by replaying the CUDA graph of its batch-size bucket (cuda_graphs.py) —
+computes logits only at the rows that will be sampled, samples on the device, and brings the sampled
+ids (and logprobs) back in one copy: the step's only wait for the device.
 
 Everything built lazily (the CPU decode extension, Triton kernels, the graphs) is built in the
 constructor, so the first request runs at the speed of the second.
