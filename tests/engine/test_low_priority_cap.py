@@ -69,3 +69,46 @@ def test_no_cap_without_others_and_zero_turns_it_off(llama_dir):
         eng.step()
         eng.step()
         assert _running(eng, low=True) == 8 and eng.stats.num_preemptions == 0
+
+
+def test_a_step_carries_at_most_the_batch_token_budget_and_outputs_stay_greedy(llama_dir):
+    """`low_priority_max_batched_tokens`: however much batch work there is, a step carries at most that
+    many negative-priority tokens (chunks and decodes), so an arriving request never waits behind a long
+    step of batch work; a priority >= 0 request is not bounded by it."""
+    budget = 8
+    prompts = _prompts(10)
+    reference = LLMEngine(model=str(llama_dir), dtype="float32", device="cpu", max_num_seqs=SEATS)
+    for i, p in enumerate(prompts):
+        reference.add_request(f"b{i}", p, GREEDY, priority=-1)
+    expected = {rid: out.outputs[0].token_ids for rid, out in drain(reference).items()}
+
+    eng = LLMEngine(
+        model=str(llama_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=SEATS,
+        low_priority_max_seqs=0,
+        low_priority_max_batched_tokens=budget,
+    )
+    for i, p in enumerate(prompts):
+        eng.add_request(f"b{i}", p, GREEDY, priority=-1)
+    finals: dict = {}
+    chat = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    chat_done = None
+    for k in range(400):
+        if k == 6:
+            eng.add_request("chat", chat, SamplingParams(temperature=0, max_tokens=3), priority=0)
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+        snap = eng.snapshot()
+        if k == 6:
+            assert snap.last_step_tokens >= len(chat)  # the whole chat prompt, beside the batch's budget
+        if k < 6 or (chat_done is not None and k > chat_done):  # steps of batch work alone
+            assert snap.last_step_tokens <= budget, (k, snap.last_step_tokens)
+        if chat_done is None and "chat" in finals:
+            chat_done = k
+        if not eng.has_unfinished_requests():
+            break
+    assert _running(eng, low=True) == 0 and "chat" in finals
+    assert {rid: finals[rid].outputs[0].token_ids for rid in expected} == expected

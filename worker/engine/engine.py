@@ -533,6 +533,7 @@ def _build_scheduler_config(cfg: EngineConfig, loaded: LoadedModel, max_model_le
         attention_cost_context=attention_cost_context(loaded.config),
         fair_share_prefill_tokens=cfg.fair_share_prefill_tokens,
         low_priority_max_seqs=_low_priority_max_seqs(cfg, loaded),
+        low_priority_max_batched_tokens=_low_priority_max_batched_tokens(cfg, loaded),
     )
 
 
@@ -543,6 +544,16 @@ def _low_priority_max_seqs(cfg: EngineConfig, loaded: LoadedModel) -> int:
     if cfg.low_priority_max_seqs is not None:
         return cfg.low_priority_max_seqs
     return 2 if loaded.device.type == "cpu" else max(1, cfg.max_num_seqs // 16)
+
+
+def _low_priority_max_batched_tokens(cfg: EngineConfig, loaded: LoadedModel) -> int:
+    """--low-priority-max-batched-tokens, else 128 on CPU: a step of batch work alone then takes about 0.1 s
+    with SmolLM2 on 2 cores (a 2,048-token prompt chunk took 1.3 s, and an interactive request arriving
+    meanwhile waited for all of it; ops/bench/RESULTS.md, "Batch API beside interactive traffic"); 0 (no
+    bound) on a GPU, where steps are short (not measured)."""
+    if cfg.low_priority_max_batched_tokens is not None:
+        return cfg.low_priority_max_batched_tokens
+    return 128 if loaded.device.type == "cpu" else 0
 
 
 def _build_model_runner(

@@ -15,6 +15,13 @@ over the cap are preempted (latest first; their prefix-cache names survive). Eve
 running decodes, so a batch filling the engine would slow every interactive token; with the cap it
 takes what interactive traffic leaves, and all of an idle engine.
 
+A step also carries at most `low_priority_max_batched_tokens` tokens of negative-priority sequences
+(their decodes and prompt chunks together), contended or not. A step cannot be interrupted, so an
+interactive request that arrives during a step of batch work waits for all of it: this bounds that
+wait (a 2,048-token chunk of a batch's prompts took 1.3 s on a 2-core CPU). The decodes over the bound
+wait for a later step (those first in running order go first), and no batch sequence is admitted while
+the bound is spent, so the batch's running set settles near the bound.
+
 Prompt chunks, with chunked prefill (vLLM's option names):
 - A prompt with more than `long_prefill_token_threshold` tokens to compute when it is admitted is
   long. No chunk is longer than the threshold.
@@ -96,6 +103,7 @@ class _Step:
     over_share_tokens: int = 0  # prompt tokens left for them
     fair_prompt: bool = False  # a prompt of a tenant within its share is in the step
     low_seats: float = math.inf  # seats sequences of negative priority may still take (the cap, when contended)
+    low_tokens: float = math.inf  # tokens sequences of negative priority may still take in this step
 
 
 class Scheduler:
@@ -151,7 +159,7 @@ class Scheduler:
             self._unsorted = False
         if self._long:
             self._long &= {s.seq_id for s in self.running if _left(s) > 1}
-        step = _Step(cfg.max_num_batched_tokens)
+        step = _Step(cfg.max_num_batched_tokens, low_tokens=cfg.low_priority_max_batched_tokens or math.inf)
         shed = self._shed_low_priority(step)
         if self._schedule_suspect(out, step):
             out.preempted += shed
@@ -241,7 +249,9 @@ class Scheduler:
             n = min(n, fit if fit or step.long_chunks else 1)  # the first long chunk always moves on
         if seq.request.tenant in step.over_share:
             n = 0 if step.fair_prompt else min(n, step.over_share_tokens)
-        return n
+        if seq.request.priority < 0:
+            n = min(n, step.low_tokens)
+        return int(n)
 
     def _schedule_running(
         self,
@@ -257,6 +267,8 @@ class Scheduler:
         if decodes and only is None and over_share is None:
             self._schedule_decodes(out, step)
             return
+        if len(step.scheduled) == len(self.running):
+            return  # every running sequence is in the step already (a decode-only step)
         i = 0
         while i < len(self.running) and step.tokens > 0:
             seq = self.running[i]
@@ -269,7 +281,9 @@ class Scheduler:
             ):
                 i += 1
                 continue
-            n = 1 if decodes else self._chunk(seq, left, step, self.is_long(seq))
+            n = (1 if seq.request.priority >= 0 or step.low_tokens >= 1 else 0) if decodes else None
+            if n is None:
+                n = self._chunk(seq, left, step, self.is_long(seq))
             if n == 0:
                 i += 1
                 continue
@@ -290,9 +304,14 @@ class Scheduler:
             if len(seq.token_ids) - seq.num_computed_tokens != 1 or seq_id in scheduled:
                 i += 1
                 continue
+            if step.low_tokens < 1 and seq.request.priority < 0:  # the batch's tokens for this step are spent
+                i += 1
+                continue
             if kv.fits(seq_id, seq.num_computed_tokens + 1) or self._grow(seq, 1, i, step, out, decode=True):
                 out.scheduled.append(ScheduledSeq(seq, 1, kv.block_table(seq_id)))
                 step.tokens -= 1
+                if seq.request.priority < 0:
+                    step.low_tokens -= 1
                 scheduled.add(seq_id)
                 i += 1
             elif seq.status == SeqStatus.RUNNING:
@@ -403,6 +422,8 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput, step: _Step, seq: Sequence, n: int) -> None:
         out.scheduled.append(ScheduledSeq(seq, n, self.kv.block_table(seq.seq_id)))
         step.tokens -= n
+        if seq.request.priority < 0:
+            step.low_tokens -= n
         step.scheduled.add(seq.seq_id)
         if n > 1 or _left(seq) > 1:  # a prompt chunk
             if seq.request.tenant in step.over_share:
