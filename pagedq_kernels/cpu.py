@@ -1,7 +1,7 @@
 """The CPU backend: a C++ extension with the decode attention kernel (csrc/cpu_decode.cpp), the
 fused layer ops (csrc/cpu_fused.cpp, called from pagedq_kernels/fused.py) and a GEMM for the projections
 (csrc/cpu_gemm.cpp, fp32 and bf16, called from worker/models/cpu_linear.py; bf16 on AMX tiles in
-csrc/cpu_gemm_amx.cpp), a prefill attention
+csrc/cpu_gemm_amx.cpp; weight-only int8 in csrc/cpu_gemm_int8.cpp), a prefill attention
 (csrc/cpu_prefill.cpp), greedy sampling's argmax (csrc/cpu_sample.cpp) and a decoder layer that calls
 those kernels from C++ (csrc/cpu_layer.cpp, used by worker/models/cpu_layer.py), plus the torch reference.
 The GEMM and the attention kernels share their work between torch's threads through csrc/cpu_parallel.h:
@@ -40,7 +40,7 @@ from pagedq_kernels.metadata import AttentionMetadata
 from pagedq_kernels.reference import paged_attention_ref, prefill_ref
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE_NAMES = ("decode", "fused", "gemm", "gemm_amx", "prefill", "sample", "layer", "parallel")
+_SOURCE_NAMES = ("decode", "fused", "gemm", "gemm_int8", "gemm_amx", "prefill", "sample", "layer", "parallel")
 SOURCES = [_CSRC / f"cpu_{name}.cpp" for name in _SOURCE_NAMES]
 HEADERS = [
     _CSRC / name

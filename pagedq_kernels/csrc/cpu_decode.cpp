@@ -244,6 +244,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "whether paged_prefill takes a query of this dtype and head size here");
   m.def("gemm_dtypes", &gemm_dtypes, "the dtypes gemm_linear was built for (AVX-512: float32; avx512_bf16: bfloat16)");
   m.def("pack_gemm_weight", &pack_gemm_weight, "a [N, K] weight in gemm_linear's panel layout", nogil);
+  m.def("gemm_int8_available", &gemm_int8_available, "whether gemm_linear takes int8 weights here (AVX-512)");
+  m.def("pack_gemm_weight_int8", &pack_gemm_weight_int8, "int8 [N, K] and fp32 scales [N] in the int8 panel layout",
+        nogil);
   m.def("greedy_argmax", &greedy_argmax, "each row's first maximum, as torch's max(dim=-1).indices", nogil);
   m.def("greedy_argmax_fast", &greedy_argmax_fast, "whether greedy_argmax has its vector path here (AVX-512)");
   m.def("decoder_layer", &decoder_layer, "one Llama-family decoder layer, the fused path's kernels called from C++", nogil);

@@ -186,7 +186,9 @@ torch::Tensor pack_gemm_weight(torch::Tensor weight) {
 
 // out = x @ W^T + bias for x [M, K] (rows contiguous), `packed` from pack_gemm_weight, `bias` fp32
 // padded to the packed width; `out` [M, N] in x's dtype, rows contiguous and not overlapping.
+// An int8 `packed` (pack_gemm_weight_int8) goes to the int8 kernel (cpu_gemm_int8.cpp).
 void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out) {
+  if (packed.scalar_type() == at::kChar) return gemm_linear_int8(x, packed, bias, out);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.is_cpu() && (x.stride(1) == 1 || x.size(1) <= 1) && built_for(dtype),
               "gemm_linear: x [M, K] on the CPU, of a built dtype");

@@ -24,6 +24,11 @@ std::vector<std::string> gemm_dtypes();
 torch::Tensor pack_gemm_weight(torch::Tensor weight);
 void gemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
 
+// cpu_gemm_int8.cpp: weight-only int8 (gemm_linear dispatches on the packed weight's dtype)
+bool gemm_int8_available();
+torch::Tensor pack_gemm_weight_int8(torch::Tensor q, torch::Tensor scales);
+void gemm_linear_int8(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, torch::Tensor out);
+
 // cpu_gemm_amx.cpp: bf16 on AMX tiles (false: not taken, the caller's vector kernel runs instead)
 bool gemm_amx_available();
 bool gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, torch::Tensor& out);

@@ -11,6 +11,7 @@ from worker.options import add_cli_args, from_cli_args
 from worker.options import option as _opt
 
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+QUANTIZATION_METHODS = ("int8",)  # worker/models/quantization.py METHODS
 
 
 class ConfigError(ValueError):
@@ -26,6 +27,9 @@ class EngineConfig:
         "auto | float32 | float16 | bfloat16 (auto: the checkpoint's; on CPU bf16 only with native bf16, else fp32)",
     )
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
+    quantization: str | None = _opt(
+        None, "int8: weight-only int8 per output channel, quantized at load (CPU only; default: the checkpoint's dtype)"
+    )
     seed: int = _opt(0, "seed of the default sampling generator")
     block_size: int = _opt(16, "tokens per KV cache block")
     max_num_seqs: int = _opt(256, "most sequences running at once")
@@ -106,6 +110,8 @@ class EngineConfig:
 
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half"):
             raise bad("dtype", "choose auto, float32, float16 or bfloat16")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise bad("quantization", f"choose {', '.join(QUANTIZATION_METHODS)} (or leave it unset)")
         if self.block_size < 1:
             raise bad("block_size", "must be at least 1")
         if self.max_num_seqs < 1:

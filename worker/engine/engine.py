@@ -57,7 +57,9 @@ class LLMEngine:
         self.config = cfg = config or EngineConfig(**options)
         if not cfg.model:
             raise ValueError("EngineConfig.model is required")
-        loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer)
+        loaded = load_model(
+            cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer, quantization=cfg.quantization
+        )
         self.tokenizer = _build_tokenizer(cfg, loaded)
         self.max_model_len = _resolve_max_model_len(cfg, loaded)
         self.scheduler_config = _build_scheduler_config(cfg, loaded, self.max_model_len)

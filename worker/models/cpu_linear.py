@@ -18,7 +18,8 @@ fast as the vector kernel.
 Packing replaces a projection's weight with its packed copy (the plain weight's storage is freed, so
 weights are not held twice); the embedding table stays plain, and a tied LM head is packed as a copy.
 `PAGEDQ_ONEDNN_LINEAR=0` keeps `F.linear` (for comparisons); `PAGEDQ_CPU_GEMM=0` sends both dtypes
-through oneDNN instead of pagedq's GEMM.
+through oneDNN instead of pagedq's GEMM. Weights quantized to int8 at load (worker/models/quantization.py)
+are packed for the extension's int8 GEMM, or kept as int8 and scales for `int8_linear` where it is not built.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ CACHE_CAPACITY = "32"
 os.environ.setdefault("LRU_CACHE_CAPACITY", CACHE_CAPACITY)
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", CACHE_CAPACITY)
 _DTYPES = (torch.float32, torch.bfloat16)
+PANEL = 16  # output columns per panel of a packed weight (bf16, fp32 and int8 alike)
 
 
 def onednn_available() -> bool:
@@ -79,7 +81,7 @@ def gemm_for(dtype: torch.dtype):
 def gemm_bias(bias: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """`bias` as the extension's GEMM takes it: fp32, zero-padded to the packed weight's width (it adds
     the bias to its sums, 16 columns at a time)."""
-    out = torch.zeros(packed.shape[0] * packed.shape[2], dtype=torch.float32)
+    out = torch.zeros(packed.shape[0] * PANEL, dtype=torch.float32)
     out[: bias.numel()] = bias.float()
     return out
 
@@ -106,6 +108,8 @@ def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """`F.linear(x, module.weight, module.bias)`, through the packed weight when there is one."""
     gemm = getattr(module, "gemm_weight", None)
     packed = getattr(module, "packed_weight", None)
+    if getattr(module, "int8_weight", None) is not None:
+        return int8_linear(x, module)
     if packed is None and gemm is None:
         return F.linear(x, module.weight, getattr(module, "bias", None))
     if x.dim() != 2:
@@ -115,3 +119,13 @@ def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         module.gemm(x if x.stride(-1) == 1 else x.contiguous(), gemm, module.gemm_bias, out)
         return out
     return torch.ops.mkldnn._linear_pointwise(x, packed, getattr(module, "bias", None), "none", [], "")
+
+
+def int8_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """An int8 weight without the C++ kernel (worker/models/quantization.py): (x @ Q^T) * s (+ bias) in fp32,
+    rounded to x's dtype once, as the kernel rounds its fp32 sums."""
+    out = F.linear(x.float(), module.int8_weight.float()) * module.int8_scale
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

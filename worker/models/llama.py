@@ -21,7 +21,8 @@ import pagedq_kernels
 from pagedq_kernels import AttentionMetadata
 from pagedq_kernels.fused import cpu_extension_for, rms_norm_ref, rotate_ref
 from worker.models.cpu_layer import LayerConstants, layer_plan, run_layers
-from worker.models.cpu_linear import linear, pack
+from worker.models.cpu_linear import linear, pack, packing_enabled
+from worker.models.quantization import check_method, quantize_linear, quantize_lm_head
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -253,13 +254,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head)
 
-    def pack_linears(self) -> None:
-        """Pack every projection for the CPU GEMM (`worker.models.cpu_linear`); call once, after `load_weights`."""
+    def pack_linears(self, quantization: str | None = None) -> None:
+        """Pack every projection for the CPU GEMM (`worker.models.cpu_linear`); call once, after `load_weights`.
+        `quantization="int8"`: quantize them to int8 instead (`worker.models.quantization`), the LM head too
+        unless PAGEDQ_INT8_LM_HEAD=0."""
+        check_method(quantization)
+        prepare = quantize_linear if quantization else pack
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                pack(module)
-        pack(self.lm_head, keep_weight=self.tie_word_embeddings)
+                prepare(module)
+        if quantization and quantize_lm_head():
+            quantize_linear(self.lm_head, keep_weight=self.tie_word_embeddings)
+        elif not quantization or packing_enabled(self.embed_tokens.weight.device, self.dtype):
+            pack(self.lm_head, keep_weight=self.tie_word_embeddings)
         self.cpu_layer_plan = layer_plan(self)
 
     # --- weights -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from pagedq_kernels.cpu import native_bf16
 from worker.models.cpu_linear import packing_enabled
+from worker.models.quantization import QuantizationError, check_method
 from worker.models.registry import model_class
 
 _DTYPES = {
@@ -124,10 +125,17 @@ def load_model(
     device: str = "auto",
     tokenizer: str | None = None,
     max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
+    """`quantization="int8"`: the projections' weights quantized to int8 at load (worker/models/quantization.py,
+    CPU only); None keeps the checkpoint's dtype."""
     config, path = load_config(model)
     cls = model_class(getattr(config, "architectures", None), getattr(config, "model_type", None))
     dev = resolve_device(device)
+    try:
+        check_method(quantization, dev)
+    except QuantizationError as e:
+        raise ModelLoadError(str(e)) from e
     torch_dtype = resolve_dtype(dtype, config, dev)
     with torch.device(dev):
         net = cls(config, torch_dtype, max_positions=max_positions)
@@ -135,7 +143,9 @@ def load_model(
     weights = _gguf_weights(path, torch_dtype, config) if gguf else _safetensors_weights(path)
     with torch.no_grad():
         net.load_weights(weights)
-        if packing_enabled(dev, torch_dtype):
+        if quantization:
+            net.pack_linears(quantization=quantization)
+        elif packing_enabled(dev, torch_dtype):
             net.pack_linears()
     net.eval()
     tok_path = tokenizer or str(path.parent if gguf else path)
