@@ -5,7 +5,7 @@
 //
 // Why weight-only: a decode step reads every weight once, so halving the weight bytes is what speeds it
 // up; quantizing the activations as well (for VNNI's int8 dot products) cost SmolLM2 1.2-4% perplexity in
-// a simulation, against 0.6% for the weights alone. So the int8 weights are widened in registers and
+// a simulation, against 0.7% for the weights alone (measured: ops/bench/quant_quality.py). So the int8 weights are widened in registers and
 // multiplied against the activations as they are: in bf16 with `vdpbf16ps` where the CPU has avx512_bf16,
 // else (and for fp32 activations) in fp32 with FMA. The per-channel scale multiplies the fp32 sums once at
 // the end, so the sums are exact products of the int8 values (small integers, exact in bf16) and x.
@@ -146,7 +146,7 @@ inline void direct_line(const at::BFloat16* const* x, int64_t s, const int8_t* l
 #endif
 
 // Rows [m, m + R) x panels [p, p + P), widening each line as it streams in, kAhead bytes of each panel
-// requested ahead (12% more bandwidth at one row in an A/B on a 2-core EPYC).
+// requested ahead (one row streamed 3-12% faster with it in a microbenchmark on a 2-core EPYC).
 template <typename C, typename O, int R, int P>
 inline void direct_tile(const Int8Gemm<C, O>& g, int64_t m, int64_t p, C* keep = nullptr) {
   const int64_t kept = g.lines * kKPerLine * kPanel;  // elements per widened panel in `keep`
@@ -258,8 +258,8 @@ void group_rows(const Int8Gemm<C, O>& g, int64_t m0, int64_t m1, int64_t group, 
     return;
   }
   // The first 4 rows stream the panels from memory as a direct tile does, keeping the widened lines in
-  // `buf` (in cpu_avx512.h's panel layout for C: fp32 [K][16], bf16 [K/2][16][2]) for the other rows' tiles:
-  // the widening overlaps the memory stream (a separate pass first ran 1.3x slower at 16 rows).
+  // `buf` (in cpu_avx512.h's panel layout for C: fp32 [K][16], bf16 [K/2][16][2]) for the other rows' tiles,
+  // so the widening overlaps the memory stream rather than waiting on it in a pass of its own.
   switch (P) {
     case 1: direct_tile<C, O, kDirectRows, 1>(g, m0, p, buf); break;
     case 2: direct_tile<C, O, kDirectRows, 2>(g, m0, p, buf); break;
@@ -282,8 +282,8 @@ void group_rows(const Int8Gemm<C, O>& g, int64_t m0, int64_t m1, int64_t group, 
   }
 }
 
-// This thread's buffer for a group of widened panels of `lines` lines, kept between calls (allocating and
-// zeroing it per call cost about 10 us per projection).
+// This thread's buffer for a group of widened panels of `lines` lines, kept between calls (a buffer
+// allocated and zeroed per call made SmolLM2's 16-row products 1.2x slower).
 template <typename C>
 C* scratch(int64_t lines) {
   thread_local std::unique_ptr<char[]> bytes;

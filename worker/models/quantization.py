@@ -3,14 +3,17 @@ symmetric int8 per output channel, Q = round(W / s) with s = max|W[n, :]| / 127 
 
 A decode step on a CPU is bound by reading the weights, and int8 halves the bytes of bf16. Only the
 weights are quantized: the activations stay in the model's dtype (quantizing them too cost SmolLM2 1.2-4%
-perplexity in a simulation, the weights alone about 0.6%). Where the C++ extension has its int8 GEMM
+perplexity in a simulation; the weights alone cost 0.7%: 16.56 -> 16.67 on ops/bench/texts/ppl.txt,
+`python -m ops.bench.quant_quality`). Where the C++ extension has its int8 GEMM
 (pagedq_kernels/csrc/cpu_gemm_int8.cpp, AVX-512, bf16 or fp32 activations), the weight is packed into its
 panels, scales included, and goes wherever a packed bf16 weight goes (`cpu_linear.linear`, the one-call
 layer). Elsewhere (an AVX2 build, PAGEDQ_CPU_GEMM=0, fp16 activations) the int8 weight and its scales are
 kept and each call computes (x @ Q^T) * s in fp32 through torch (`cpu_linear.linear`): correct, not fast.
 
 The embedding table stays in the model's dtype. A tied LM head (SmolLM2) keeps the table and gets an int8
-copy; `PAGEDQ_INT8_LM_HEAD=0` keeps the LM head in the model's dtype (an A/B switch).
+copy, a fifth of SmolLM2's weight bytes read per token; quantizing it cost nothing measurable (perplexity
++0.68% with it, +0.85% without). `PAGEDQ_INT8_LM_HEAD=0` keeps the LM head in the model's dtype (an A/B
+switch).
 """
 
 from __future__ import annotations
