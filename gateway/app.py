@@ -30,6 +30,7 @@ from gateway.metrics import CountRequests, GatewayMetrics
 from gateway.registry import Registry
 from gateway.render import Renderer, request_id_of
 from gateway.responses.service import ResponsesApi
+from gateway.stream_limit import Slot, StreamLimit
 from gateway.streams import Clock, EventStream, Reading, sse_frames, until_done_or_gone
 from producer_sdk.client import AsyncClient
 from producer_sdk.constants import REQUEST_ID_PATTERN, UNFINISHED_TTL_S
@@ -75,6 +76,7 @@ class Gateway:
         self.keys = KeyRing.load(config.api_keys) if config.api_keys else None
         self.registry = Registry(self.redis, refresh_s=config.registry_refresh_s)
         self.metrics = GatewayMetrics()
+        self.streams = StreamLimit(config.max_streams_per_key, self.metrics, config.retry_after_s)
         self._clients: dict[tuple[str, float], AsyncClient] = {}
         self.responses = ResponsesApi(self)
         self._refresher: asyncio.Task | None = None
@@ -114,7 +116,15 @@ class Gateway:
                 return errors.too_large(f"The body is {declared} bytes, more than the limit of {limit}.")
             return errors.too_large(f"The body is more than the limit of {limit} bytes.")
 
-        return await json_body.read_capped(request, limit, over)
+        return await self.read_body(request, limit, over)
+
+    async def read_body(self, request: Request, limit: int, over: Any) -> bytes:
+        """`json_body.read_capped` within --body-read-timeout (a 408 after it, counted)."""
+        try:
+            return await json_body.read_capped(request, limit, over, self.config.body_read_timeout_s)
+        except errors.BodyTimeout:
+            self.metrics.limit_closes.labels("body_timeout").inc()
+            raise
 
     def deadline_s(self, request: Request) -> float | None:
         raw = request.headers.get("pagedq-timeout")
@@ -139,6 +149,12 @@ class Gateway:
         await self.registry.check(
             m.model, allowed=caller.allowed_or_none, queue_without_workers=self.config.queue_without_workers
         )
+        with self.streams.reserve(caller.key_id, m.stream) as slot:
+            return await self._submit(request, kind, caller, m, clock, slot)
+
+    async def _submit(
+        self, request: Request, kind: str, caller: Caller, m: mapping.Mapped, clock: Clock, slot: Slot | None
+    ) -> Response | EventStream:
         headers = request.headers
         idem = headers.get("idempotency-key")
         rid = records.request_id_for(idem or headers.get("x-request-id"), caller.tenant)
@@ -201,8 +217,9 @@ class Gateway:
         cancel = None if resumable else self._canceller(client, rid)
         reply_headers = {REQUEST_ID_HEADER: rid}
         if m.stream:
-            frames = sse_frames(Reading(handle), renderer, n=n, on_first_token=clock.first_byte, api_error=api_error)
-            return EventStream(frames, metrics=self.metrics, on_disconnect=cancel, headers=reply_headers)
+            reading = Reading(handle, for_sse=True)
+            frames = sse_frames(reading, renderer, n=n, on_first_token=clock.first_byte, api_error=api_error)
+            return EventStream(frames, metrics=self.metrics, on_disconnect=cancel, headers=reply_headers, slot=slot)
         try:
             ok, done = await until_done_or_gone(Reading(handle).result(), request.receive)
         except PagedqError as e:
@@ -254,9 +271,11 @@ class Gateway:
         handle = self.client(record.model).handle(rid)
         if stream:
             after = self._last_event_id(request)
-            frames = sse_frames(Reading(handle), renderer, n=record.n, after=after, on_first_token=clock.first_byte)
+            reading = Reading(handle, for_sse=True)
+            frames = sse_frames(reading, renderer, n=record.n, after=after, on_first_token=clock.first_byte)
             # A reader leaving never cancels: the request belongs to whoever POSTed it.
-            return EventStream(frames, metrics=self.metrics, headers={REQUEST_ID_HEADER: rid})
+            slot = self.streams.acquire(caller.key_id)
+            return EventStream(frames, metrics=self.metrics, headers={REQUEST_ID_HEADER: rid}, slot=slot)
         ok, done = await until_done_or_gone(Reading(handle).result(), request.receive)
         if not ok:
             return Response(status_code=499)
@@ -362,7 +381,7 @@ def _guarded(handler):
     return endpoint
 
 
-def create_app(config: GatewayConfig, redis: Any = None) -> Any:
+def create_app(config: GatewayConfig, redis: Any = None) -> CountRequests:
     """The ASGI application of one gateway (counted by the metrics middleware)."""
     from gateway.batches.routes import BatchApi
     from gateway.openapi import docs_routes

@@ -30,10 +30,13 @@ class KeyEntry(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Caller(msgspec.Struct, frozen=True):
-    """Who is calling: the tenant (None without keys) and the models it may use (None: all)."""
+    """Who is calling: the tenant (None without keys), the models it may use (None: all), and an id of
+    its API key (a prefix of the key's digest, never the key; None without keys): what per-key limits
+    count under."""
 
     tenant: str | None = None
     models: frozenset[str] | None = None
+    key_id: str | None = None
 
     def allowed(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -63,7 +66,8 @@ class KeyRing:
             if not TENANT_PATTERN.fullmatch(e.tenant):
                 raise KeyFileError(f"tenant {e.tenant!r} must match {TENANT_PATTERN.pattern}")
             models = None if e.models is None or "*" in e.models else frozenset(e.models)
-            self._by_digest[_digest(key)] = Caller(e.tenant, models)
+            digest = _digest(key)
+            self._by_digest[digest] = Caller(e.tenant, models, key_id=digest.hex()[:16])
 
     @classmethod
     def load(cls, path: str | Path) -> KeyRing:

@@ -150,6 +150,70 @@ def too_large(message: str) -> ApiError:
     return ApiError(413, message, code="request_too_large")
 
 
+# --- limits on what one client can hold (docs/gateway.md, "Limits") ------------------------------------
+# Each answer that leaves part of the request unread closes its connection (`Connection: close`).
+CLOSE = {"Connection": "close"}
+
+
+def header_timeout(seconds: float) -> ApiError:
+    return ApiError(
+        408,
+        f"The request's headers did not arrive within {seconds:g} s (--header-read-timeout).",
+        type="timeout",
+        code="header_timeout",
+        headers=dict(CLOSE),
+    )
+
+
+class BodyTimeout(ApiError):
+    """A body that did not all arrive within --body-read-timeout (counted apart in the metrics)."""
+
+
+def body_timeout(seconds: float) -> BodyTimeout:
+    return BodyTimeout(
+        408,
+        f"The request's body did not arrive within {seconds:g} s (--body-read-timeout).",
+        type="timeout",
+        code="body_timeout",
+        headers=dict(CLOSE),
+    )
+
+
+def client_closed() -> ApiError:
+    """The client left before its request was read (nginx's 499: nobody reads this answer)."""
+    return ApiError(499, "The client closed the connection before its request arrived.", code="client_closed_request")
+
+
+def headers_too_large(limit: int) -> ApiError:
+    return ApiError(
+        431,
+        f"The request line and headers are larger than {limit} bytes (--max-header-bytes).",
+        code="headers_too_large",
+        headers=dict(CLOSE),
+    )
+
+
+def too_many_connections(limit: int) -> ApiError:
+    return ApiError(
+        503,
+        f"The gateway has more than {limit} connections open (--limit-concurrency); retry shortly.",
+        type="server_error",
+        code="too_many_connections",
+        headers={"Retry-After": "1", **CLOSE},
+    )
+
+
+def too_many_streams(limit: int, retry_after_s: int) -> ApiError:
+    return ApiError(
+        429,
+        f"This API key has {limit} streams open on this gateway, its limit (--max-streams-per-key); "
+        "close one or retry later.",
+        type="rate_limit_error",
+        code="too_many_streams",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def redis_unavailable(exc: BaseException) -> ApiError:
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # some carry no message
     return ApiError(

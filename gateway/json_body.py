@@ -7,11 +7,12 @@ walk of it: the grammar compiler's, the worker's), so it is refused before anyth
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gateway import errors
 from producer_sdk.protocol import schema_error
@@ -20,19 +21,38 @@ T = TypeVar("T")
 MAX_JSON_DEPTH = 64  # objects and arrays within one another, the body itself counted as 1
 
 
-async def read_capped(request: Request, limit: int, over: Callable[[int | None], errors.ApiError]) -> bytes:
+async def read_capped(
+    request: Request,
+    limit: int,
+    over: Callable[[int | None], errors.ApiError],
+    timeout_s: float | None = None,
+) -> bytes:
     """The whole body, refused with `over(declared length)` when its Content-Length says it is larger than
-    `limit`, or `over(None)` as soon as more than `limit` bytes have arrived (nothing more is read)."""
+    `limit`, or `over(None)` as soon as more than `limit` bytes have arrived (nothing more is read), or
+    with a 408 (`errors.BodyTimeout`) when it has not all arrived within `timeout_s` (a client sending a byte a
+    second; its answer closes the connection)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise over(int(declared))
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise over(None)
-        parts.append(part)
-    return b"".join(parts)
+
+    async def whole() -> bytes:
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise over(None)
+                parts.append(part)
+        except ClientDisconnect:  # gone mid-body: nothing to log, nobody to answer
+            raise errors.client_closed() from None
+        return b"".join(parts)
+
+    if not timeout_s:
+        return await whole()
+    try:
+        return await asyncio.wait_for(whole(), timeout_s)
+    except asyncio.TimeoutError:
+        raise errors.body_timeout(timeout_s) from None
 
 
 def too_deep(where: str | None = None) -> errors.ApiError:

@@ -29,6 +29,25 @@ class GatewayMetrics:
         self.cancels = Counter(
             "pagedq_gateway_disconnect_cancels", "Requests cancelled because their client went away", registry=r
         )
+        # Limits on what one client can hold (docs/gateway.md, "Limits").
+        self.open_connections = Gauge("pagedq_gateway_open_connections", "HTTP connections open now", registry=r)
+        self.stalled_connections = Gauge(
+            "pagedq_gateway_stalled_connections",
+            "Connections whose client is not reading: their write buffer is over --write-buffer-bytes",
+            registry=r,
+        )
+        self.limit_closes = Counter(
+            "pagedq_gateway_limit_closes",
+            "Connections the gateway closed at a limit, by reason: header_timeout, headers_too_large, "
+            "body_timeout, send_timeout, too_many_connections",
+            ["reason"],
+            registry=r,
+        )
+        self.streams_refused = Counter(
+            "pagedq_gateway_streams_refused",
+            "Streams refused with a 429 because their API key had --max-streams-per-key open",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,12 +22,12 @@ def say(msg: str) -> None:
     print(f"[pagedq gateway] {msg}", file=sys.stderr, flush=True)
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(backlog)
     sock.set_inheritable(True)
     return sock
 
@@ -51,6 +51,7 @@ def run(config: GatewayConfig) -> int:
 
         from gateway.app import create_app
         from gateway.auth import KeyFileError
+        from gateway.protocol import ConnectionLimits, limited_protocol
     except ImportError as e:
         say(f"error: {e.name} is missing: install the gateway extra (pip install 'pagedq[gateway]')")
         return 2
@@ -62,7 +63,7 @@ def run(config: GatewayConfig) -> int:
         return 2
     raise_open_files_limit()
     try:
-        sock = bind(config.host, config.port)
+        sock = bind(config.host, config.port, config.backlog)
     except OSError as e:
         say(f"error: cannot listen on {config.host}:{config.port}: {e.strerror or e}")
         return 1
@@ -70,13 +71,23 @@ def run(config: GatewayConfig) -> int:
     shown = f"[{host}]" if ":" in host else host
     keys = f"; API keys from {config.api_keys}" if config.api_keys else ""
     say(f"listening on http://{shown}:{port}/v1 (OpenAI-compatible); queue at {redact_url(config.redis_url)}{keys}")
+    limits = ConnectionLimits(
+        header_read_timeout_s=config.header_read_timeout_s,
+        max_header_bytes=config.max_header_bytes,
+        send_timeout_s=config.send_timeout_s,
+        write_buffer_bytes=config.write_buffer_bytes,
+        limit_concurrency=config.limit_concurrency,
+    )
     uv = uvicorn.Config(
         app,
+        http=limited_protocol(limits, app.metrics),  # uvicorn's own limit_concurrency stays off: ours answers
         log_level=config.log_level if config.log_level != "info" else "warning",
         access_log=False,
         server_header=False,
+        timeout_keep_alive=config.timeout_keep_alive_s,  # type: ignore[arg-type]  (a float works)
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="on",
+        **({"h11_max_incomplete_event_size": config.max_header_bytes} if config.max_header_bytes else {}),
     )
     server = uvicorn.Server(uv)
     try:

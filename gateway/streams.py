@@ -10,41 +10,75 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from gateway import errors
 from gateway.metrics import GatewayMetrics
 from gateway.render import DONE, Renderer, error_frame
-from producer_sdk._stream import Follower
+from gateway.stream_limit import Slot
+from producer_sdk._stream import CompletionBuilder, Follower
 from producer_sdk.client import Handle
 from producer_sdk.errors import PagedqError
+from producer_sdk.protocol import Tokens, ToolCalls
 from producer_sdk.results import Chunk, Completion
 
 log = logging.getLogger("pagedq.gateway")
+# Events one XREAD of a stream returns at most, so that one SSE frame, and the reply it came from, stay
+# small beside a connection's write buffer (--write-buffer-bytes) even when a finished answer is replayed:
+# a client that does not read holds its buffers and about one frame (a live stream gets about one event
+# an XREAD anyway; the SDK's own readers take 512).
+READ_COUNT = 16
+
+
+class _FinishOnly(CompletionBuilder):
+    """A builder that keeps which samples had tokens, not the tokens: an SSE stream has sent them on,
+    and its finish needs only the final event (a stream of N tokens with 20 logprobs each would keep
+    about 10 KiB of objects a token)."""
+
+    def add(self, ev: Tokens) -> None:
+        self.ids.setdefault(ev.index, [])
+
+    def add_tool_calls(self, ev: ToolCalls) -> None:
+        self.calls.setdefault(ev.index, {})
 
 
 class Reading:
-    """One reader of one request: yields the chunks of each XREAD reply as a batch; afterwards
-    `completion` and `final_seq` (the seq of the Finished event) are known."""
+    """One reader of one request: the chunks of each XREAD reply, batch by batch; afterwards `completion`
+    and `final_seq` (the seq of the Finished event) are known. A reader `for_sse` reads at most READ_COUNT
+    events at a time, and its completion has no text, tokens or logprobs, only its finish (what an SSE
+    stream ends with): it holds little while its client is slow."""
 
-    def __init__(self, handle: Handle, timeout: float | None = None) -> None:
+    def __init__(self, handle: Handle, timeout: float | None = None, *, for_sse: bool = False) -> None:
         self.handle = handle
         self.follower: Follower = handle._follower(handle._client._opts, timeout)
+        if for_sse:
+            self.follower.count = min(self.follower.count, READ_COUNT)
+            self.follower.builder = _FinishOnly(handle.request_id)
         self.completion: Completion | None = None
         self.final_seq = -1
+        self._replies: AsyncIterator[Iterator[Chunk]] | None = None
 
-    async def batches(self) -> AsyncIterator[list[Chunk]]:
+    async def next_batch(self) -> list[Chunk] | None:
+        """The chunks of the next reply that has any; None once the request is over. (A method, not a
+        generator: a caller that drops the batch holds none of it while it waits on its client.)"""
         f = self.follower
-        async for chunks in self.handle._batches(f):
+        if self._replies is None:
+            self._replies = self.handle._batches(f)
+        async for chunks in self._replies:
             batch = list(chunks)
             if batch:
-                yield batch
+                return batch
         self.completion = f.completion()
         self.final_seq = f.expected_seq - 1
+        return None
+
+    async def batches(self) -> AsyncIterator[list[Chunk]]:
+        while (batch := await self.next_batch()) is not None:
+            yield batch
 
     async def result(self) -> Completion:
-        async for _ in self.batches():
+        while await self.next_batch() is not None:
             pass
         assert self.completion is not None
         return self.completion
@@ -66,8 +100,9 @@ async def sse_frames(
     if renderer.kind == "chat" and after < 0:
         yield renderer.role_frame(n)
     try:
-        async for batch in reading.batches():
+        while (batch := await reading.next_batch()) is not None:
             frames = b"".join(renderer.token_frame(c) for c in batch if c.seq > after)
+            del batch  # (not held while the frame waits on a client that reads slowly)
             if frames:
                 if on_first_token is not None:
                     on_first_token()
@@ -103,7 +138,8 @@ SSE_HEADERS = [
 
 class EventStream:
     """An SSE response (ASGI). If the client leaves before the end, the body is abandoned and
-    `on_disconnect` runs (it cancels the request unless the client asked to resume later)."""
+    `on_disconnect` runs (it cancels the request unless the client asked to resume later). `slot`, the
+    stream's place under its key's --max-streams-per-key, is given back when the response ends."""
 
     def __init__(
         self,
@@ -112,13 +148,22 @@ class EventStream:
         metrics: GatewayMetrics,
         on_disconnect: Callable[[], Awaitable[None]] | None = None,
         headers: dict[str, str] | None = None,
+        slot: Slot | None = None,
     ) -> None:
         self.body = body
         self.metrics = metrics
         self.on_disconnect = on_disconnect
+        self.slot = slot
         self.headers = SSE_HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await self._stream(receive, send)
+        finally:
+            if self.slot is not None:
+                self.slot.release()
+
+    async def _stream(self, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         self.metrics.open_streams.inc()
         pump = asyncio.ensure_future(self._pump(send))

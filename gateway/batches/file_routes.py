@@ -1,8 +1,8 @@
 """POST /v1/files (multipart: `file`, `purpose`), GET /v1/files, GET /v1/files/{id},
 GET /v1/files/{id}/content, DELETE /v1/files/{id}: OpenAI's Files API for batch input files.
 
-An upload is read whole, up to `--max-file-bytes` of file content (larger: 413, param `file`), and its
-bytes stored in Redis (`files.FileStore`)."""
+An upload is read whole, up to `--max-file-bytes` of file content (larger: 413, param `file`) within
+`--body-read-timeout` (408 after it), and its bytes stored in Redis (`files.FileStore`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import errors
 from gateway.batches.files import BATCH, FileStore
-from gateway.json_body import read_capped
 
 MULTIPART_SLACK = 64 << 10  # the form's headers and boundaries around the file's bytes
 UPLOAD_PURPOSES = (BATCH,)
@@ -37,7 +36,7 @@ class FileRoutes:
 
     async def _body(self, request: Request) -> bytes:
         cap = self.limit + MULTIPART_SLACK
-        return await read_capped(
+        return await self.gw.read_body(
             request,
             cap,
             lambda declared: self._too_large(f"about {declared} bytes" if declared else f"more than {cap} bytes"),

@@ -25,6 +25,7 @@ from gateway.responses import request as rq
 from gateway.responses import store
 from gateway.responses.events import ResponseEvents, ResponseView, error_object, response_object, sse, status_of
 from gateway.responses.request import api_error_mappers
+from gateway.stream_limit import Slot, StreamLimit
 from gateway.streams import EventStream, Reading, until_done_or_gone
 from producer_sdk.client import AsyncClient
 from producer_sdk.constants import UNFINISHED_TTL_S
@@ -45,6 +46,7 @@ class GatewayParts(Protocol):
     config: Any
     registry: Any
     metrics: Any
+    streams: StreamLimit
 
     def caller(self, request: Request) -> Caller: ...
     async def body(self, request: Request) -> bytes: ...
@@ -67,6 +69,19 @@ class ResponsesApi:
         await gw.registry.check(
             m.model, allowed=caller.allowed_or_none, queue_without_workers=gw.config.queue_without_workers
         )
+        with gw.streams.reserve(caller.key_id, m.stream) as slot:
+            return await self._submit(request, caller, m, history, submit, slot)
+
+    async def _submit(
+        self,
+        request: Request,
+        caller: Caller,
+        m: rq.MappedResponse,
+        history: list[dict[str, Any]],
+        submit: dict[str, Any],
+        slot: Slot | None,
+    ) -> Response | EventStream:
+        gw = self.gw
         idem = request.headers.get("idempotency-key")
         rid = records.request_id_for(idem or request.headers.get("x-request-id"), caller.tenant)
         request.state.request_id = rid
@@ -108,7 +123,7 @@ class ResponsesApi:
         cancel = None if m.background else self._canceller(client, rid)
         if m.stream:
             frames = self._frames(client, rid, view, "queued" if m.background else "in_progress", m.constraint)
-            return EventStream(frames, metrics=gw.metrics, on_disconnect=cancel, headers=headers)
+            return EventStream(frames, metrics=gw.metrics, on_disconnect=cancel, headers=headers, slot=slot)
         if m.background:
             return JSONResponse(response_object(view, "queued"), headers=headers)
         try:
@@ -155,23 +170,29 @@ class ResponsesApi:
         headers = {REQUEST_ID_HEADER: rid}
         if request.query_params.get("stream", "false").lower() == "true":
             after = self._starting_after(request)
-            first = "queued" if record.response.background else "in_progress"
-            if after >= 0 and await store.stage(self.gw.redis, rid) == store.FINISHED:
-                # Finished: render it once, check starting_after against it, send the tail from there.
-                events = await self._all_events(client, rid, view, record.response)
-                if after >= len(events) - 1:
-                    raise errors.invalid(
-                        f"starting_after={after} is at or beyond the last event ({len(events) - 1}).", "starting_after"
-                    )
-                frames = _one(b"".join(sse(e) for e in events[after + 1 :]))  # sequence number = index
-            else:
-                frames = self._frames(client, rid, view, first, record.response.constraint, after=after)
-            return EventStream(frames, metrics=self.gw.metrics, headers=headers)  # a reader never cancels
+            with self.gw.streams.reserve(caller.key_id) as slot:  # (a reader leaving never cancels)
+                frames = await self._resumed(client, rid, view, record.response, after)
+                return EventStream(frames, metrics=self.gw.metrics, headers=headers, slot=slot)
         stage = await store.stage(self.gw.redis, rid)
         if stage != store.FINISHED:
             return JSONResponse(response_object(view, stage), headers=headers)
         ok, body = await until_done_or_gone(self._whole(client, rid, view, None), request.receive)
         return JSONResponse(body, headers=headers) if ok else Response(status_code=499)
+
+    async def _resumed(
+        self, client: AsyncClient, rid: str, view: ResponseView, stored: records.StoredResponse, after: int
+    ) -> AsyncIterator[bytes]:
+        """The SSE body of GET .../{id}?stream=true from event `after` + 1 on (-1: from the start)."""
+        if after >= 0 and await store.stage(self.gw.redis, rid) == store.FINISHED:
+            # Finished: render it once, check starting_after against it, send the tail from there.
+            events = await self._all_events(client, rid, view, stored)
+            if after >= len(events) - 1:
+                raise errors.invalid(
+                    f"starting_after={after} is at or beyond the last event ({len(events) - 1}).", "starting_after"
+                )
+            return _one(b"".join(sse(e) for e in events[after + 1 :]))  # sequence number = index
+        first = "queued" if stored.background else "in_progress"
+        return self._frames(client, rid, view, first, stored.constraint, after=after)
 
     @staticmethod
     def _starting_after(request: Request) -> int:

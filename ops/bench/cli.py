@@ -207,6 +207,7 @@ DELEGATED = {
     "tenants": "ops.bench.tenants",
     "uniform": "ops.bench.uniform",
     "batch": "ops.bench.batch_mix",
+    "hostile": "ops.bench.hostile",
     "host": "ops.bench.host",
 }
 DELEGATED_HELP = {
@@ -214,6 +215,7 @@ DELEGATED_HELP = {
     "tenants": "tenant isolation: a calm tenant's TTFT alone and beside one bursting 10x its quota",
     "uniform": "uniform batch (B prompts of P tokens, G decode steps): prefill and decode tok/s, llama.cpp beside",
     "batch": "Batch API beside interactive chat: TTFT with a low-lane batch running, batch tok/s busy vs idle",
+    "hostile": "hostile clients against the gateway: stalled streams, slowloris, hang-ups; RSS, others' TTFT",
     "host": "the engine's host work per step: step time vs forward time at batch 1/64/256 (tiny model)",
 }
 

@@ -70,15 +70,16 @@ class GatewayProcess:
 class SSEStream:
     """One streamed POST on its own connection; `events()` yields the `data:` payloads."""
 
-    def __init__(self, port: int, path: str, body: dict) -> None:
+    def __init__(self, port: int, path: str, body: dict, headers: dict[str, str] | None = None) -> None:
         self.port, self.path, self.body = port, path, json.dumps(body).encode()
+        self.headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.writer: asyncio.StreamWriter | None = None
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         head = (
             f"POST {self.path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(self.body)}\r\nConnection: close\r\n\r\n"
+            f"Content-Length: {len(self.body)}\r\n{self.headers}Connection: close\r\n\r\n"
         )
         self.writer.write(head.encode() + self.body)
         status = await self.reader.readline()
