@@ -2,7 +2,9 @@
 
 Counted in the process's memory, not in Redis: N gateways behind a balancer let a key hold up to N
 times the limit, and a gateway that restarts starts from zero (docs/tenants.md, "Hostile clients").
-Requests without keys (no `--api-keys`) all count under one key.
+Requests without a key (a gateway without `--api-keys`) are not limited here: with no key to tell
+clients apart, a per-key cap would only cap the whole gateway's streams (at 64 by default, too few for
+`pagedq up` serving an agent fleet); `--limit-concurrency` bounds those connections.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 from gateway import errors
 from gateway.metrics import GatewayMetrics
 
-ANONYMOUS_KEY = ""  # the key of every request when the gateway has no --api-keys
+ANONYMOUS_KEY = ""  # the key of every request when the gateway has no --api-keys (counted, never capped)
 
 
 class Slot:
@@ -40,7 +42,7 @@ class StreamLimit:
         """A slot for one more stream of `key`, or the 429 too_many_streams."""
         key = key or ANONYMOUS_KEY
         n = self.open.get(key, 0)
-        if self.limit and n >= self.limit:
+        if self.limit and n >= self.limit and key != ANONYMOUS_KEY:
             self.metrics.streams_refused.inc()
             raise errors.too_many_streams(self.limit, self.retry_after_s)
         self.open[key] = n + 1

@@ -351,8 +351,7 @@ def run(args: argparse.Namespace, progress: Progress) -> dict:
             model_dir=args.model_dir, dtype=args.dtype, device=args.device, threads=args.threads, engine={}
         )
         worker = Worker("pagedq", wargs, server.url, ns, kv_blocks=kv_blocks, engine={"enable_prefix_caching": False})
-        # (its interactive streams all come without a key: one key for --max-streams-per-key)
-        gateway = GatewayProcess(server.url, "--batch-window", str(args.batch_window), "--max-streams-per-key", "0")
+        gateway = GatewayProcess(server.url, "--batch-window", str(args.batch_window))
         out["worker_cmd"], out["gateway_cmd"] = worker.cmd[2:], gateway.cmd[2:]
         try:
             progress.start("batch: starting worker and gateway")

@@ -195,9 +195,8 @@ def run(args, progress: Progress) -> dict:
         engine = worker_engine("pagedq", args)
         progress.start("serve via gateway: starting worker and gateway")
         worker = Worker("pagedq", args, server.url, ns, kv_blocks=kv_blocks_for(wl, max_len), engine=engine)
-        # Its streams all come without a key (one key for --max-streams-per-key), and --gateway-streams may
-        # ask for more than --limit-concurrency: neither limit is what it measures.
-        no_limits = ("--max-streams-per-key", "0", "--limit-concurrency", "0")
+        # --gateway-streams may ask for more than --limit-concurrency, which is not what it measures.
+        no_limits = ("--limit-concurrency", "0")
         gateway = GatewayProcess(server.url, "--queue-without-workers", *no_limits)
         out["worker_cmd"], out["gateway_cmd"] = worker.cmd[2:], gateway.cmd[2:]
         try:
