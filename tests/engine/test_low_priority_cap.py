@@ -112,3 +112,42 @@ def test_a_step_carries_at_most_the_batch_token_budget_and_outputs_stay_greedy(l
             break
     assert _running(eng, low=True) == 0 and "chat" in finals
     assert {rid: finals[rid].outputs[0].token_ids for rid in expected} == expected
+
+
+def test_batch_prompts_sit_out_steps_while_an_interactive_prompt_is_pending():
+    """Under contention the batch's prompt chunks never share a step with a pending interactive prompt: the
+    interactive prompt's chunks go alone (beside decodes), the batch's prompts move on once it is in."""
+    from worker.engine.config import SchedulerConfig
+    from worker.engine.kv_cache import KVCacheManager
+    from worker.engine.request import Request
+    from worker.engine.scheduler import Scheduler
+
+    config = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=32,
+        max_model_len=512,
+        enable_chunked_prefill=True,
+        policy="fcfs",
+        long_prefill_token_threshold=0,
+        max_num_partial_prefills=4,
+        max_long_partial_prefills=4,
+        low_priority_max_seqs=4,
+    )
+    sched = Scheduler(config, KVCacheManager(256, 4, enable_prefix_caching=False, watermark=0.0))
+    batch = [Request(f"b{i}", list(range(1, 41)), SamplingParams(), priority=-1, arrival_time=i) for i in range(3)]
+    chat = Request("chat", list(range(100, 180)), SamplingParams(), priority=0, arrival_time=10)
+    for r in [*batch, chat]:
+        sched.add(r.seqs[0])
+    steps = []
+    for _ in range(12):
+        out = sched.schedule()
+        steps.append([(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled])
+        for s in out.scheduled:
+            samples = s.samples
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if samples:
+                s.seq.token_ids.append(7)
+    # 80 chat prompt tokens at 32 a step: three steps of the chat's prompt alone, then the batch's prompts
+    assert steps[:3] == [[("chat", 32)], [("chat", 32)], [("chat", 16)]], steps
+    later = [(r, n) for st in steps[3:] for r, n in st]
+    assert ("chat", 1) in later and any(r.startswith("b") and n > 1 for r, n in later), steps
