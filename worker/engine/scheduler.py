@@ -20,8 +20,7 @@ A step also carries at most `low_priority_max_batched_tokens` tokens of negative
 interactive request that arrives during a step of batch work waits for all of it: this bounds that
 wait (a 2,048-token chunk of a batch's prompts took 1.3 s on a 2-core CPU). The decodes over the bound
 wait for a later step (those first in running order go first), and no batch sequence is admitted while
-the bound is spent, so the batch's running set settles near the bound. Under contention, while a prompt
-of priority >= 0 waits or is part-way through, the batch's prompt chunks sit the step out.
+the bound is spent, so the batch's running set settles near the bound.
 
 Prompt chunks, with chunked prefill (vLLM's option names):
 - A prompt with more than `long_prefill_token_threshold` tokens to compute when it is admitted is
@@ -105,7 +104,6 @@ class _Step:
     fair_prompt: bool = False  # a prompt of a tenant within its share is in the step
     low_seats: float = math.inf  # seats sequences of negative priority may still take (the cap, when contended)
     low_tokens: float = math.inf  # tokens sequences of negative priority may still take in this step
-    low_prompts: bool = True  # prompt chunks of negative priority may enter this step
 
 
 class Scheduler:
@@ -208,12 +206,6 @@ class Scheduler:
             self._contended_until = now + self.config.contention_hold_s
         if now >= self._contended_until:
             return []
-        # A prompt of priority >= 0 waiting or part-way through: the batch's prompts sit this step out, so
-        # its first token never waits behind their chunks (the batch's decodes go on, within the cap).
-        step.low_prompts = not (
-            any(s.request.priority >= 0 and len(s.token_ids) - s.num_computed_tokens > 1 for s in self.running)
-            or any(s.request.priority >= 0 for s in self.waiting)
-        )
         low = [s for s in self.running if s.request.priority < 0]
         shed = low[cap:]  # running is in policy order: the latest last
         for seq in reversed(shed):
@@ -258,7 +250,7 @@ class Scheduler:
         if seq.request.tenant in step.over_share:
             n = 0 if step.fair_prompt else min(n, step.over_share_tokens)
         if seq.request.priority < 0:
-            n = min(n, step.low_tokens) if step.low_prompts else 0
+            n = min(n, step.low_tokens)
         return int(n)
 
     def _schedule_running(
