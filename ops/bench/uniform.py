@@ -86,6 +86,7 @@ def _child(spec_path: str) -> int:
     result = {
         "system": "pagedq",
         "dtype": spec["dtype"],
+        "quantization": spec.get("engine", {}).get("quantization"),  # int8 weights (--engine-arg), or None
         "batch": b,
         "prompt_len": p,
         "gen_len": g,
@@ -185,8 +186,9 @@ def _table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['system']} | {r['dtype']} | {r.get('batch', '')} | error: {r['error'][:120]!r} |")
             continue
+        dtype = r["dtype"] + (f" ({r['quantization']} weights)" if r.get("quantization") else "")
         lines.append(
-            f"| {r['system']} | {r['dtype']} | {r['batch']} | {r['prompt_len']} | {r['gen_len']} | "
+            f"| {r['system']} | {dtype} | {r['batch']} | {r['prompt_len']} | {r['gen_len']} | "
             f"{r['s_pp']:,.0f} | {r['s_tg']:,.0f} | {r['s_total']:,.0f} | {r['t_pp']:.2f} | {r['t_tg']:.2f} |"
         )
     return "\n".join(lines)
