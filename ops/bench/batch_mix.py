@@ -48,11 +48,11 @@ import random
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 
-from ops.bench.common import BLOCK_SIZE, model_info, resolve_model
-from ops.bench.gateway_proc import GatewayProcess, SSEStream
+from ops.bench.common import BLOCK_SIZE, model_info
+from ops.bench.entry import run_and_save
+from ops.bench.gateway_proc import GatewayProcess, SSEStream, wait_for_model
 from ops.bench.progress import Progress
 from ops.bench.serving import ReqResult
 from ops.bench.stats import dist
@@ -303,17 +303,6 @@ def _rate_window(worker, seconds: float, batch_id: str, driver: BatchDriver) -> 
 # --- the benchmark ------------------------------------------------------------------------------------
 
 
-def _wait_model(port: int, model: str, timeout: float = 30.0) -> None:
-    """Until the gateway's registry lists the worker's model (it rereads it every second)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as resp:
-            if any(m["id"] == model for m in json.loads(resp.read())["data"]):
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"the gateway does not list {model} after {timeout:.0f}s")
-
-
 def run(args: argparse.Namespace, progress: Progress) -> dict:
     from ops.bench.serving import Worker
     from worker.service.redis_proc import RedisProcess
@@ -357,7 +346,7 @@ def run(args: argparse.Namespace, progress: Progress) -> dict:
             progress.start("batch: starting worker and gateway")
             worker.start()
             gateway.start()
-            _wait_model(gateway.port, ns)
+            wait_for_model(gateway.port, ns)
             port = gateway.port
             # Warm-up: a few alone, then a burst the size of the saturation run (the engine's larger shapes).
             warm = [chat_body(ns, t, 4, stream=True) for t in prompts(4, args.prompt_words, "warmup")]
@@ -571,33 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, quick if q else full)
     if args.batch_lines < 1 or args.batch_window < 1 or args.sat_requests < 1:
         p.error("--batch-lines, --batch-window and --sat-requests must be at least 1")
-    if args.dtype == "auto":
-        from ops.bench.cli import fastest_dtype
-
-        args.dtype = fastest_dtype(args.device)
-
-    from ops.bench.machine import machine_info
-    from ops.bench.results import save_result
-
-    args.model_dir = resolve_model(args.model, q)
-    started = time.monotonic()
-    progress = Progress(UNITS, enabled=not args.no_progress)
-    try:
-        result = {
-            "benchmark": "batch",
-            "command": " ".join(["pagedq bench batch", *argv]),
-            "quick": q,
-            "machine": machine_info(args.threads, args.device),
-            **run(args, progress),
-        }
-    finally:
-        progress.close()
-    result["wall_s"] = time.monotonic() - started
-    path = save_result("batch", result, args.out)
-    for line in report_lines(result):
-        print(line)
-    print(f"saved {path}")
-    return 1 if "error" in result else 0
+    return run_and_save("batch", argv, args, run, report_lines, UNITS)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -117,3 +118,69 @@ class SSEStream:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+# --- what a running gateway reports --------------------------------------------------------------------
+
+LIMITS = "pagedq_gateway_limit_closes_total"
+
+
+def wait_for_model(port: int, model: str, timeout: float = 30.0, key: str | None = None) -> None:
+    """Until the gateway's registry lists the worker's model (it rereads it every second)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=headers)
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            if any(m["id"] == model for m in json.loads(resp.read())["data"]):
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"the gateway did not list {model} within {timeout:.0f}s")
+
+
+def gateway_metrics(port: int) -> dict[str, float]:
+    """Every sample of the gateway's /metrics, by its full name (labels included)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def closes(port: int) -> dict[str, float]:
+    """pagedq_gateway_limit_closes_total by reason."""
+    m = gateway_metrics(port)
+    return {k.split('reason="')[1].rstrip('"}'): v for k, v in m.items() if k.startswith(LIMITS + "{")}
+
+
+def gauge(port: int, name: str) -> float:
+    return gateway_metrics(port).get(name, math.nan)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks (100 a second)
+
+
+class RssSampler:
+    """The gateway's RSS every 0.2 s on a thread: the peak of a phase."""
+
+    def __init__(self, gateway: GatewayProcess) -> None:
+        self.gateway, self.peak = gateway, gateway.rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, self.gateway.rss_bytes())
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

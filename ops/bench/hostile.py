@@ -52,8 +52,18 @@ import uuid
 from pathlib import Path
 
 from ops.bench.batch_mix import interactive_summary, prompts
-from ops.bench.common import BLOCK_SIZE, REPO, child_env, model_info, resolve_model
-from ops.bench.gateway_proc import GatewayProcess, SSEStream
+from ops.bench.common import BLOCK_SIZE, REPO, child_env, model_info
+from ops.bench.entry import run_and_save
+from ops.bench.gateway_proc import (
+    GatewayProcess,
+    RssSampler,
+    SSEStream,
+    closes,
+    cpu_seconds,
+    gateway_metrics,
+    gauge,
+    wait_for_model,
+)
 from ops.bench.progress import Progress
 from ops.bench.serving import ReqResult
 from ops.bench.workloads import poisson_arrivals
@@ -64,58 +74,6 @@ GOAL_P50_RATIO = 1.5
 GOAL_P99_RATIO = 2.0
 GOAL_KIB_PER_STALLED = 256
 UNITS = 5  # start, baseline, stall, slowloris, disconnect
-LIMITS = "pagedq_gateway_limit_closes_total"
-
-
-# --- the gateway's numbers ----------------------------------------------------------------------------------
-
-
-def gateway_metrics(port: int) -> dict[str, float]:
-    """Every sample of the gateway's /metrics, by its full name (labels included)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def closes(port: int) -> dict[str, float]:
-    """pagedq_gateway_limit_closes_total by reason."""
-    m = gateway_metrics(port)
-    return {k.split('reason="')[1].rstrip('"}'): v for k, v in m.items() if k.startswith(LIMITS + "{")}
-
-
-def gauge(port: int, name: str) -> float:
-    return gateway_metrics(port).get(name, math.nan)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks (100 a second)
-
-
-class RssSampler:
-    """The gateway's RSS every 0.2 s on a thread: the peak of a phase."""
-
-    def __init__(self, gateway: GatewayProcess) -> None:
-        self.gateway, self.peak = gateway, gateway.rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            self.peak = max(self.peak, self.gateway.rss_bytes())
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def mib(n: float) -> float:
@@ -299,7 +257,7 @@ def run(args: argparse.Namespace, progress: Progress) -> dict:
             worker.start()
             gateway.start()
             port, pid = gateway.port, gateway.proc.pid  # type: ignore[union-attr]
-            _wait_model(port, ns)
+            wait_for_model(port, ns, key="sk-normal")
             normal_clients(port, ns, args, args.seed + 100, 2.0)  # warm-up
             long_id = _long_answer(port, ns, hostile[0], args)
             out["stall_answer"] = long_id
@@ -406,17 +364,6 @@ def run(args: argparse.Namespace, progress: Progress) -> dict:
             worker.stop()
     out["goals"] = goals(out, args)
     return out
-
-
-def _wait_model(port: int, model: str, timeout: float = 30.0) -> None:
-    headers = {"Authorization": "Bearer sk-normal"}
-
-    def listed() -> bool:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=headers)
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return any(m["id"] == model for m in json.loads(resp.read())["data"])
-
-    wait_for(listed, timeout, f"the gateway to list {model}")
 
 
 def _long_answer(port: int, model: str, key: str, args: argparse.Namespace) -> dict:
@@ -600,33 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--stalled: at most {HOSTILE_KEYS} keys x --max-streams-per-key (>= 1) streams")
     if args.send_timeout <= args.phase_s:
         p.error("--send-timeout must be longer than --phase-s: the stalled streams are held while clients run")
-    if args.dtype == "auto":
-        from ops.bench.cli import fastest_dtype
-
-        args.dtype = fastest_dtype(args.device)
-
-    from ops.bench.machine import machine_info
-    from ops.bench.results import save_result
-
-    args.model_dir = resolve_model(args.model, q)
-    started = time.monotonic()
-    progress = Progress(UNITS, enabled=not args.no_progress)
-    try:
-        result = {
-            "benchmark": "hostile",
-            "command": " ".join(["pagedq bench hostile", *argv]),
-            "quick": q,
-            "machine": machine_info(args.threads, args.device),
-            **run(args, progress),
-        }
-    finally:
-        progress.close()
-    result["wall_s"] = time.monotonic() - started
-    path = save_result("hostile", result, args.out)
-    for line in report_lines(result):
-        print(line)
-    print(f"saved {path}")
-    return 1 if "error" in result else 0
+    return run_and_save("hostile", argv, args, run, report_lines, UNITS)
 
 
 if __name__ == "__main__":
